@@ -1,0 +1,1 @@
+"""offload: train and run models far larger than the device that runs them."""
