@@ -1,0 +1,292 @@
+"""The safetensors file layout: write named tensors, read any tensor's bytes into a given buffer.
+
+A .safetensors file is `u64 little-endian header length N`, `N bytes of JSON`, then the data
+section. The JSON maps each tensor name to `{"dtype", "shape", "data_offsets": [begin, end]}`
+(offsets relative to the data section) plus an optional `"__metadata__"` dict of str -> str.
+
+Files written here pad the JSON header with spaces (the format allows trailing whitespace) so
+that the data section starts on a 4 KiB boundary: a tensor that starts the data section, or any
+tensor whose offset is a multiple of 4 KiB, can then be read with O_DIRECT straight into an
+aligned buffer. The same reader serves our swap files and Hugging Face checkpoint shards.
+
+Headers come from strangers (downloaded checkpoints), so parsing is defensive: the header
+length is bounded before anything is allocated, every entry is type- and range-checked, and
+ranges may neither overlap nor point past the end of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+DATA_ALIGN_BYTES = 4096
+# A header this large is already absurd (a 1000-tensor header is ~100 KB); bounding it first
+# means a hostile length field can never make us allocate gigabytes.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+DTYPE_FROM_NAME: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                     ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        DTYPE_FROM_NAME[_name] = getattr(torch, _attr)
+NAME_FROM_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPE_FROM_NAME.items()}
+
+
+class FormatError(ValueError):
+    """A .safetensors file (or a request against one) is malformed; the message names the file."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the tensor's first byte in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview, without a copy."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("need a contiguous CPU tensor")
+    flat = t.reshape(-1)  # a view for contiguous tensors; also handles 0-d
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _parse_header(path: str, raw: bytes, file_bytes: int, data_start: int
+                  ) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: header must be a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise FormatError(f"{path}: __metadata__ must map strings to strings")
+    data_bytes = file_bytes - data_start
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"}:
+            raise FormatError(f"{where}: entry must have exactly dtype, shape, data_offsets")
+        dtype = DTYPE_FROM_NAME.get(entry.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise FormatError(f"{where}: unknown dtype {entry.get('dtype')!r} "
+                              f"(known: {', '.join(DTYPE_FROM_NAME)})")
+        shape, offs = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise FormatError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]):
+            raise FormatError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end")
+        if offs[1] > data_bytes:
+            raise FormatError(f"{where}: data_offsets {offs} run past the end of the file "
+                              f"(data section is {data_bytes} bytes; truncated download?)")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes != offs[1] - offs[0]:
+            raise FormatError(f"{where}: shape {shape} of {entry['dtype']} needs {nbytes} bytes "
+                              f"but data_offsets span {offs[1] - offs[0]}")
+        infos[name] = TensorInfo(name, dtype, tuple(shape), data_start + offs[0], nbytes)
+    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values() if i.nbytes)
+    for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise FormatError(f"{path}: tensors {name_a!r} and {name_b!r} overlap in the file")
+    return infos, metadata
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse a .safetensors header: ({name: TensorInfo}, metadata). Reads only the header bytes."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot open ({e.strerror})") from None
+    try:
+        file_bytes = os.fstat(fd).st_size
+        if file_bytes < 8:
+            raise FormatError(f"{path}: file is {file_bytes} bytes, too short for a safetensors header")
+        (header_bytes,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > file_bytes:
+            raise FormatError(f"{path}: header length {header_bytes} is impossible for a "
+                              f"{file_bytes}-byte file (not a safetensors file, or truncated)")
+        raw = _pread_exact(fd, header_bytes, 8, path)
+    finally:
+        os.close(fd)
+    return _parse_header(path, raw, file_bytes, 8 + header_bytes)
+
+
+def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
+    chunks, got = [], 0
+    while got < nbytes:
+        chunk = os.pread(fd, nbytes - got, offset + got)
+        if not chunk:
+            raise FormatError(f"{path}: unexpected end of file at offset {offset + got} "
+                              f"(wanted {nbytes} bytes from {offset})")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def preadinto(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill `buf` from the file at `offset`, looping over short reads; a short file is an error."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            raise FormatError(f"{path}: truncated: wanted {len(buf)} bytes at offset {offset}, "
+                              f"file ends after {done}")
+        done += n
+
+
+def check_buffer(info: TensorInfo, out: torch.Tensor, path: str) -> None:
+    if out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"{path}: reading {info.name!r} needs a contiguous CPU buffer")
+    if out.numel() * out.element_size() != info.nbytes:
+        raise ValueError(f"{path}: tensor {info.name!r} is {info.nbytes} bytes "
+                         f"{tuple(info.shape)} {info.dtype}, buffer is "
+                         f"{out.numel() * out.element_size()} bytes")
+
+
+class SafetensorsFile:
+    """An open .safetensors file: its header, and reads of single tensors into caller buffers.
+
+    `bytes_read` counts tensor bytes read through this object (the header is not counted), so
+    callers and tests can check that reading one tensor touches only that tensor's bytes.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.tensors, self.metadata = read_header(self.path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self.bytes_read = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Read tensor `name`'s bytes into `out` (contiguous CPU, same byte size; dtype may differ
+        only if the caller wants raw bytes). Returns `out`."""
+        info = self.info(name)
+        check_buffer(info, out, self.path)
+        if info.nbytes:
+            preadinto(self._fd, tensor_bytes(out), info.offset, self.path)
+        self.bytes_read += info.nbytes
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        return self.read_into(name, torch.empty(info.shape, dtype=info.dtype))
+
+
+def _header_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None,
+                  align_bytes: int) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in NAME_FROM_DTYPE:
+            raise FormatError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": NAME_FROM_DTYPE[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    padded = -(-(8 + len(raw)) // align_bytes) * align_bytes - 8
+    return struct.pack("<Q", padded) + raw + b" " * (padded - len(raw))
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or create inside directory `path` durable."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+               metadata: Mapping[str, str] | None = None, *, align_bytes: int = DATA_ALIGN_BYTES,
+               atomic: bool = True) -> int:
+    """Write `tensors` (in the given order) as a standard .safetensors file whose data section
+    starts on an `align_bytes` boundary. With `atomic`, the bytes go to a temporary name, are
+    fsynced, and are renamed over `path` (then the directory is fsynced), so a crash leaves
+    either the old file or the complete new one. Returns the file size in bytes."""
+    path = os.fspath(path)
+    header = _header_bytes(tensors, metadata, align_bytes)
+    target = f"{path}.tmp.{os.getpid()}" if atomic else path
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        total = _write_all(fd, memoryview(header), target)
+        for t in tensors.values():
+            if t.numel():
+                cpu = t.detach().to("cpu").contiguous()
+                total += _write_all(fd, tensor_bytes(cpu), target)
+        if atomic:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        if atomic:
+            _unlink_quiet(target)
+        raise
+    os.close(fd)
+    if atomic:
+        os.replace(target, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return total
+
+
+def _write_all(fd: int, buf: memoryview, path: str) -> int:
+    done = 0
+    while done < len(buf):
+        try:
+            done += os.write(fd, buf[done:])
+        except OSError as e:
+            raise OSError(e.errno, f"writing {len(buf)} bytes to {path} failed at byte {done}: "
+                                   f"{e.strerror}") from None
+    return done
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def names_by_file(infos: Iterable[TensorInfo]) -> list[str]:
+    """Names in file order (by offset): reading in this order is one sequential sweep."""
+    return [i.name for i in sorted(infos, key=lambda i: i.offset)]
