@@ -1,0 +1,139 @@
+"""Blocks: the unit of every transfer, file and optimizer call.
+
+A model's trainable parameters are grouped into one block per entry of its main
+`nn.ModuleList` (the transformer layers; found automatically as the ModuleList holding the
+most parameters) plus one block, "rest", for everything outside it (embeddings, final norm,
+head). Each block gets flat contiguous buffers and its parameters become views into the
+block's flat device buffer, so moving a block is one large copy, storing it is one sequential
+file, and stepping it is one optimizer call.
+
+The layout carries `shard_offset`/`shard_numel` — which part of the block this process owns —
+so a later multi-GPU (ZeRO-1/2/3) version can give each rank 1/N of every block without
+changing callers. For now a process always owns all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+class BlockError(ValueError):
+    """The model cannot be split into blocks as asked."""
+
+
+@dataclass
+class ParamSlot:
+    name: str  # the parameter's name in model.named_parameters()
+    param: nn.Parameter
+    offset: int  # element offset inside the block's flat buffers
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class Block:
+    index: int  # position in step order bookkeeping; layers are 0..L-1, "rest" is L
+    name: str  # "layers.3"-style (the ModuleList's path + index) or "rest"
+    slots: list[ParamSlot] = field(default_factory=list)
+    module: nn.Module | None = None  # the ModuleList entry (None for "rest")
+    numel: int = 0
+    shard_offset: int = 0  # the part of the flat buffers this process owns (all of it, for now)
+    shard_numel: int = 0
+
+    def add(self, name: str, param: nn.Parameter) -> None:
+        self.slots.append(ParamSlot(name, param, self.numel, param.numel(), param.shape))
+        self.numel += param.numel()
+        self.shard_numel = self.numel
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{param name: view of `flat` shaped like the parameter}."""
+        assert flat.numel() == self.numel, (flat.numel(), self.numel)
+        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots}
+
+
+def find_block_list(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList] | None:
+    """The model's main ModuleList: the one at `path` (dotted), or the one holding the most
+    parameters. None when the model has no ModuleList with parameters."""
+    if path is not None:
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            raise BlockError(f"block_list {path!r}: the model has no submodule of that name") from None
+        if not isinstance(mod, nn.ModuleList):
+            raise BlockError(f"block_list {path!r} is a {type(mod).__name__}, not an nn.ModuleList")
+        return path, mod
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            count = sum(p.numel() for p in mod.parameters())
+            # strictly greater: on ties the outermost (first visited) list wins
+            if count > 0 and (best is None or count > best[0]):
+                best = (count, name, mod)
+    return None if best is None else (best[1], best[2])
+
+
+def group_blocks(model: nn.Module, block_list: str | None = None,
+                 trainable_only: bool = True) -> tuple[list[Block], str | None]:
+    """Split the model's parameters into blocks (layers in ModuleList order, then "rest").
+    A parameter shared by several modules (tied embeddings) appears once, in the block of its
+    first name. Returns (blocks, the ModuleList's path or None)."""
+    found = find_block_list(model, block_list)
+    list_path, layers = found if found is not None else (None, None)
+    blocks: list[Block] = []
+    owner: dict[int, Block] = {}  # id(param) of every param inside a layer -> its block
+    if layers is not None:
+        for i, layer in enumerate(layers):
+            b = Block(index=i, name=f"{list_path}.{i}" if list_path else str(i), module=layer)
+            for p in layer.parameters():
+                owner.setdefault(id(p), b)
+            blocks.append(b)
+    rest = Block(index=len(blocks), name="rest")
+    for name, p in model.named_parameters():  # dedups shared params: first name wins
+        if trainable_only and not p.requires_grad:
+            continue
+        owner.get(id(p), rest).add(name, p)
+    blocks = [b for b in blocks if b.numel > 0]
+    for i, b in enumerate(blocks):
+        b.index = i
+    if rest.numel > 0:
+        rest.index = len(blocks)
+        blocks.append(rest)
+    if not blocks:
+        raise BlockError("the model has no trainable parameters (requires_grad=True)")
+    return blocks, list_path
+
+
+def bind_views(block: Block, flat: torch.Tensor) -> None:
+    """Make every parameter of `block` a view into `flat` (same Parameter objects, so hooks,
+    user references and state_dict names survive; only their storage changes)."""
+    for s, view in zip(block.slots, block.views(flat).values()):
+        s.param.data = view
+
+
+def gather_flat(block: Block, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The block's current parameter values, concatenated into one flat CPU tensor of `dtype`.
+    Reads one parameter at a time, so the peak extra memory is one block."""
+    if out is None:
+        out = torch.empty(block.numel, dtype=dtype)
+    for s in block.slots:
+        if s.param.device.type == "meta":
+            raise BlockError(f"parameter {s.name!r} is on the meta device; materialise the model "
+                             f"(or pass a checkpoint) before initialising the engine")
+        out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+    return out
+
+
+def move_frozen_and_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                            trainable: set[int]) -> None:
+    """Frozen parameters go to the device in the compute dtype; buffers keep their dtype
+    (rotary frequencies and the like must stay fp32) but move to the device."""
+    for p in model.parameters():
+        if id(p) not in trainable:
+            p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else p.dtype)
+    for mod in model.modules():
+        for key, buf in list(mod._buffers.items()):
+            if buf is not None and buf.device != device and buf.device.type != "meta":
+                mod._buffers[key] = buf.to(device)

@@ -1,0 +1,300 @@
+"""One typed, validated configuration for the training engine, and the DeepSpeed-dict import.
+
+Every field is checked in `__post_init__`, so a bad value fails where it is given, with a
+message that says what is wrong and what would be right — never later, deep in a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and how to fix it."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str | None, what: str = "budget") -> int | None:
+    """'12GiB', '500MB', '1.5 GiB', 4096 -> bytes; None stays None (= no explicit budget)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size like '12GiB' or a byte count, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0 or not math.isfinite(value):
+            raise ConfigError(f"{what}: must be a non-negative size, got {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{what}: cannot read {value!r} as a size; write e.g. '12GiB', '500MB' "
+                          f"or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int | float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
+                  "half": "fp16"}
+
+
+def dtype_name(name: str) -> str:
+    key = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in DTYPES:
+        raise ConfigError(f"dtype: {name!r} is not supported; use one of {', '.join(DTYPES)}")
+    return key
+
+
+@dataclass
+class OffloadConfig:
+    # where the fp32 master weights and Adam moments live: "none" (the device: the plain
+    # reference path), "cpu" (host RAM, pinned with CUDA) or "nvme" (swap files in nvme_dir)
+    offload: str = "cpu"
+    nvme_dir: str | None = None
+    dtype: str = "bf16"  # the device weights' and gradients' dtype: fp32 | bf16 | fp16
+    device: str | None = None  # "cuda:N" or "cpu"; None = cuda:0 when available, else cpu
+    # AdamW, with torch.optim.AdamW's meaning of every field
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0  # max global L2 norm; 0 = no clipping
+    grad_accum_steps: int = 1
+    # host and IO machinery
+    pin_memory: bool = True  # page-locked host buffers (only meaningful with CUDA)
+    buffer_count: int = 4  # optimizer-state staging buffers (each holds one block's state)
+    io_threads: int | None = None  # None = the IO engine's measured default
+    io_block_bytes: int | None = None
+    io_queue_depth: int | None = None
+    verify_checksums: bool = True  # verify swap reads against the manifest's checksums
+    prefetch_optimizer_state: bool = True  # read the next step's state during forward/backward
+    # per-tier byte budgets ("12GiB" strings or ints); None = measured free memory / disk
+    device_budget: int | str | None = None
+    host_budget: int | str | None = None
+    nvme_budget: int | str | None = None
+    # fp16 dynamic loss scaling (torch GradScaler semantics: halve on overflow, double after
+    # loss_scale_window clean steps). loss_scale > 0 fixes the scale instead.
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 1
+    min_loss_scale: float = 1.0
+    block_list: str | None = None  # dotted path of the blocks' ModuleList; None = found automatically
+
+    def __post_init__(self) -> None:
+        if self.offload not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"offload: {self.offload!r} is not one of none, cpu, nvme")
+        if self.offload == "nvme" and not self.nvme_dir:
+            raise ConfigError("offload='nvme' needs nvme_dir: a directory on a fast local disk "
+                              "for the optimizer-state swap files")
+        self.dtype = dtype_name(self.dtype)
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except RuntimeError:
+                raise ConfigError(f"device: {self.device!r} is not a device; use 'cpu' or 'cuda:N'") from None
+            if dev.type not in ("cpu", "cuda"):
+                raise ConfigError(f"device: {self.device!r}: only 'cpu' and 'cuda:N' are supported")
+        for name in ("lr", "eps", "weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"{name}: must be a finite number >= 0, got {v!r}")
+            setattr(self, name, float(v))
+        if self.eps <= 0:
+            raise ConfigError(f"eps: must be > 0, got {self.eps}")
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
+        if betas is None or len(betas) != 2 or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+            raise ConfigError(f"betas: must be two numbers in [0, 1), got {self.betas!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        for name, lo in (("grad_accum_steps", 1), ("buffer_count", 2), ("initial_scale_power", 0),
+                         ("loss_scale_window", 1), ("hysteresis", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name}: must be an integer >= {lo}, got {v!r}")
+        for name in ("io_threads", "io_block_bytes", "io_queue_depth"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name}: must be a positive integer or None, got {v!r}")
+        if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float)) \
+                or self.loss_scale < 0:
+            raise ConfigError(f"loss_scale: must be >= 0 (0 = dynamic), got {self.loss_scale!r}")
+        if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale <= 0:
+            raise ConfigError(f"min_loss_scale: must be > 0, got {self.min_loss_scale!r}")
+        for name in ("device_budget", "host_budget", "nvme_budget"):
+            parse_bytes(getattr(self, name), name)
+
+    # -- derived values -------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def budget_bytes(self, tier: str) -> int | None:
+        return parse_bytes(getattr(self, f"{tier}_budget"), f"{tier}_budget")
+
+    def resolve_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device {self.device!r}: no CUDA GPU is visible; use device='cpu'")
+            index = dev.index or 0
+            if index >= torch.cuda.device_count():
+                raise ConfigError(f"device {self.device!r}: only {torch.cuda.device_count()} GPU(s) "
+                                  f"visible (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+            dev = torch.device("cuda", index)
+        return dev
+
+    # -- construction from dicts -----------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "OffloadConfig":
+        """Our own flat dict form; a DeepSpeed-style dict (any DeepSpeed key) is recognised."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config must be a dict, got {type(d).__name__}")
+        if any(k in d for k in _DEEPSPEED_TOP_KEYS):
+            return from_deepspeed(d)
+        unknown = sorted(set(d) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                              f"{', '.join(cls.field_names())}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "OffloadConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --- DeepSpeed JSON import ------------------------------------------------------------------
+
+_DEEPSPEED_TOP_KEYS = {
+    "zero_optimization", "aio", "fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps",
+    "optimizer", "train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print",
+    "wall_clock_breakdown", "zero_allow_untested_optimizer", "scheduler",
+}
+# keys DeepSpeed accepts that change nothing here (batch sizes belong to the data loader)
+_DEEPSPEED_IGNORED = {"train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print",
+                      "wall_clock_breakdown", "zero_allow_untested_optimizer"}
+
+
+def _take(d: Mapping[str, Any], allowed: set[str], where: str) -> dict[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{where}: must be a dict, got {type(d).__name__}")
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                          f"supported: {', '.join(sorted(allowed))}")
+    return dict(d)
+
+
+def from_deepspeed(ds: Mapping[str, Any], **overrides: Any) -> OffloadConfig:
+    """Map a DeepSpeed config dict (ZeRO-Offload / ZeRO-Infinity keys) onto OffloadConfig."""
+    ds = _take(ds, _DEEPSPEED_TOP_KEYS, "DeepSpeed config")
+    if "scheduler" in ds:
+        raise ConfigError("DeepSpeed config: 'scheduler' is not supported by the engine; "
+                          "set the learning rate per step with engine.set_lr() (runners.finetune "
+                          "has --lr with warmup + cosine)")
+    out: dict[str, Any] = {}
+    zero = _take(ds.get("zero_optimization", {}), {
+        "stage", "offload_optimizer", "offload_param", "contiguous_gradients", "overlap_comm",
+        "reduce_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+        "stage3_max_reuse_distance", "round_robin_gradients"}, "zero_optimization")
+    opt_off = _take(zero.get("offload_optimizer", {}), {
+        "device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio"},
+        "zero_optimization.offload_optimizer")
+    if opt_off:
+        device = opt_off.get("device", "none")
+        if device not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"zero_optimization.offload_optimizer.device: {device!r} is not "
+                              f"one of none, cpu, nvme")
+        out["offload"] = device
+        if "nvme_path" in opt_off:
+            out["nvme_dir"] = opt_off["nvme_path"]
+        if "pin_memory" in opt_off:
+            out["pin_memory"] = bool(opt_off["pin_memory"])
+        if "buffer_count" in opt_off:
+            out["buffer_count"] = opt_off["buffer_count"]
+    aio = _take(ds.get("aio", {}), {"block_size", "queue_depth", "thread_count",
+                                    "single_submit", "overlap_events", "use_gds"}, "aio")
+    for src, dst in (("block_size", "io_block_bytes"), ("queue_depth", "io_queue_depth"),
+                     ("thread_count", "io_threads")):
+        if src in aio:
+            out[dst] = aio[src]
+    fp16 = _take(ds.get("fp16", {}), {"enabled", "loss_scale", "initial_scale_power",
+                                      "loss_scale_window", "hysteresis", "min_loss_scale",
+                                      "auto_cast"}, "fp16")
+    bf16 = _take(ds.get("bf16", {}), {"enabled"}, "bf16")
+    if fp16.get("enabled") and bf16.get("enabled"):
+        raise ConfigError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; pick one")
+    out["dtype"] = "fp16" if fp16.get("enabled") else "bf16" if bf16.get("enabled") else "fp32"
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                "min_loss_scale"):
+        if key in fp16:
+            out[key] = fp16[key]
+    if "gradient_clipping" in ds:
+        out["grad_clip"] = ds["gradient_clipping"]
+    if "gradient_accumulation_steps" in ds:
+        out["grad_accum_steps"] = ds["gradient_accumulation_steps"]
+    if "optimizer" in ds:
+        opt = _take(ds["optimizer"], {"type", "params"}, "optimizer")
+        kind = str(opt.get("type", "AdamW")).lower()
+        if kind not in ("adam", "adamw", "cpuadam", "fusedadam"):
+            raise ConfigError(f"optimizer.type: {opt.get('type')!r} is not supported; the engine "
+                              f"runs AdamW (types Adam/AdamW accepted)")
+        params = _take(opt.get("params", {}), {"lr", "betas", "eps", "weight_decay",
+                                               "adam_w_mode", "torch_adam", "bias_correction"},
+                       "optimizer.params")
+        if params.get("adam_w_mode") is False or params.get("bias_correction") is False:
+            raise ConfigError("optimizer.params: only AdamW with bias correction is supported "
+                              "(adam_w_mode=true, bias_correction=true)")
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key in params:
+                out[key] = tuple(params[key]) if key == "betas" else params[key]
+    out.update(overrides)
+    return OffloadConfig(**out)
+
+
+def load_config_file(path: str) -> OffloadConfig:
+    """A JSON file in our flat form or DeepSpeed's."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path}: not valid JSON ({e})") from None
+    return OffloadConfig.from_dict(d)
+
+
+def as_config(cfg: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:
+    if cfg is None:
+        return OffloadConfig()
+    if isinstance(cfg, OffloadConfig):
+        return cfg
+    return OffloadConfig.from_dict(cfg)
+
+
+__all__ = ["OffloadConfig", "ConfigError", "from_deepspeed", "load_config_file", "as_config",
+           "parse_bytes", "format_bytes", "DTYPES"]

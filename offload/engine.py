@@ -1,0 +1,405 @@
+"""The ZeRO-Offload training engine: 16-bit weights on the device, fp32 masters and Adam
+moments in host RAM or NVMe swap files, gradients out during backward, AdamW on the CPU.
+
+    engine = offload.initialize(model, cfg)
+    loss = loss_fn(model(batch))
+    engine.backward(loss)
+    applied = engine.step()      # once per micro-batch; updates every grad_accum_steps calls
+
+One update, in order:
+1. backward: each parameter's gradient is copied to its block's host landing buffer as soon
+   as autograd finishes it (offload/grads.py); the norm accumulates as gradients land.
+2. step: global norm -> clip coefficient and fp16 overflow check (no extra pass over memory).
+3. blocks in the order their gradients completed (last layer first): wait for the block's
+   optimizer state (NVMe: already read ahead), one fused AdamW pass writes fp32 state and the
+   16-bit weights, the state is written behind, the 16-bit weights go to the device at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from offload.blocks import Block, bind_views, gather_flat, group_blocks, move_frozen_and_buffers
+from offload.config import ConfigError, OffloadConfig, as_config, format_bytes
+from offload.grads import GradLanding
+from offload.optim import cpu_adamw_step
+from offload.optstate import NvmeState, ResidentState
+from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, check_fits, device_free_bytes,
+                           disk_free_bytes, format_report, host_empty, host_free_bytes,
+                           peak_rss_bytes)
+
+
+@dataclass
+class StepReport:
+    """Where one optimizer update's time went, and the bytes it moved per link."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    grad_wait_s: float = 0.0  # waiting for device->host gradient copies after backward
+    cpu_step_s: float = 0.0  # AdamW kernels
+    io_wait_s: float = 0.0  # waiting for optimizer state reads/writes (nvme)
+    upload_s: float = 0.0  # 16-bit weights host->device
+    step_s: float = 0.0  # the whole engine.step() call that applied the update
+    bytes: dict[str, int] = field(default_factory=dict)  # link -> bytes this update
+    applied: bool = True
+    loss_scale: float = 1.0
+    grad_norm: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                      grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+                      eps: float, weight_decay: float, grad_scale: float = 1.0,
+                      out16: torch.Tensor | None = None) -> None:
+    """torch.optim.AdamW's single-tensor math with plain tensor ops, for state that lives on a
+    CUDA device (offload="none"); CPU state uses the fused kernel in offload.optim."""
+    g = grad.float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    if out16 is not None:
+        out16.copy_(master)
+
+
+class Engine:
+    def __init__(self, model: nn.Module, cfg: OffloadConfig):
+        self.module = model
+        self.cfg = cfg
+        self.device = cfg.resolve_device()
+        self.dtype = cfg.torch_dtype
+        self.cuda = self.device.type == "cuda"
+        self.pin = cfg.pin_memory and self.cuda
+        self.blocks, self.block_list_path = group_blocks(model, cfg.block_list)
+        self.param_names = [s.name for b in self.blocks for s in b.slots]
+        # the order clip_grad_norm_ would see the parameters in: model.parameters() order
+        order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        self._norm_order = sorted(self.param_names, key=order.__getitem__)
+        self.account = MemoryAccount()
+        self.links = {k: LinkCounter() for k in ("d2h", "h2d", "nvme_read", "nvme_write")}
+        self.lr = cfg.lr
+        self.global_step = 0  # optimizer updates applied
+        self.micro_step = 0  # engine.step() calls
+        self.loss_scale = (cfg.loss_scale or 2.0 ** cfg.initial_scale_power) if cfg.dtype == "fp16" else 1.0
+        self._clean_steps = 0
+        self._hysteresis_left = cfg.hysteresis
+        self.skipped_steps = 0
+        self.last_report = StepReport()
+        self._pending = StepReport()
+        self._check_budgets()
+
+        # optimizer state; then 16-bit device weights, one block at a time so the peak extra
+        # memory while initialising is one block
+        self.state = self._make_state()
+        self.flat16: list[torch.Tensor] = []
+        trainable = set()
+        for bi, block in enumerate(self.blocks):
+            master = gather_flat(block, torch.float32)
+            self.state.init_block(bi, master)
+            flat = torch.empty(block.numel, dtype=self.dtype, device=self.device)
+            flat.copy_(master)
+            bind_views(block, flat)
+            self.flat16.append(flat)
+            self.account.add("device", "weights", flat.numel() * flat.element_size())
+            trainable.update(id(s.param) for s in block.slots)
+            del master
+        move_frozen_and_buffers(model, self.device, self.dtype, trainable)
+        if isinstance(self.state, NvmeState):
+            self.state.end_step(self._step_order(), 0)  # init state durable + first prefetch
+
+        # offload="none" keeps gradients on the device (the plain reference path)
+        self.grads = GradLanding(
+            self.blocks, self.dtype, cfg.grad_accum_steps, self.account, self.links["d2h"],
+            source_device=self.device, pin=self.pin,
+            landing_device=self.device if cfg.offload == "none" else torch.device("cpu"))
+        self.grads.attach()
+
+        if self.cuda:
+            self.h2d_stream = torch.cuda.Stream(self.device)
+            ring = max(2, min(cfg.buffer_count, len(self.blocks)))
+            max_numel = max(b.numel for b in self.blocks)
+            self._upload_ring = [host_empty(max_numel, self.dtype, self.pin) for _ in range(ring)]
+            self._upload_done: list[torch.cuda.Event | None] = [None] * ring
+            self.account.add("host", "buffers", ring * max_numel * self.dtype.itemsize)
+        self._fwd_t0: float | None = None
+        self._hooks = [model.register_forward_pre_hook(self._on_forward_start),
+                       model.register_forward_hook(self._on_forward_end)]
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _step_order(self) -> list[int]:
+        """Blocks in the order their gradients complete: layers last-to-first, then the rest
+        block (its embedding gradient is the last one backward produces)."""
+        layers = [i for i, b in enumerate(self.blocks) if b.module is not None]
+        rest = [i for i, b in enumerate(self.blocks) if b.module is None]
+        return layers[::-1] + rest
+
+    def _check_budgets(self) -> None:
+        cfg, total = self.cfg, sum(b.numel for b in self.blocks)
+        max_numel = max(b.numel for b in self.blocks)
+        itemsize = self.dtype.itemsize
+        grad_bytes = total * (4 if cfg.grad_accum_steps > 1 else itemsize)
+        state_bytes = total * 12
+        need = {"device": total * itemsize, "host": 0, "nvme": 0}
+        if cfg.offload == "none":
+            need["device"] += state_bytes + grad_bytes
+        else:
+            need["host"] += grad_bytes
+            if cfg.offload == "cpu":
+                need["host"] += state_bytes
+            else:
+                need["host"] += cfg.buffer_count * max_numel * 12
+                need["nvme"] += state_bytes
+        hint_host = ("use offload='nvme' to keep optimizer state on disk, or raise host_budget"
+                     if cfg.offload == "cpu" else "lower buffer_count or raise host_budget")
+        check_fits("device", need["device"], cfg.budget_bytes("device"),
+                   device_free_bytes(self.device), f"{total / 1e6:.1f}M parameters in "
+                   f"{cfg.dtype}" + (" with optimizer state" if cfg.offload == "none" else ""),
+                   "use offload='cpu' or 'nvme', a smaller model, or raise device_budget")
+        check_fits("host", need["host"], cfg.budget_bytes("host"), host_free_bytes(),
+                   f"offload={cfg.offload!r} (gradients {format_bytes(grad_bytes)})", hint_host)
+        if self.device.type == "cpu":  # device and host are the same RAM: both must fit at once
+            check_fits("host", need["device"] + need["host"], None, host_free_bytes(),
+                       "device weights plus host state (the device is the CPU)",
+                       "use offload='nvme' or a smaller model")
+        if cfg.offload == "nvme":
+            check_fits("nvme", need["nvme"], cfg.budget_bytes("nvme"),
+                       disk_free_bytes(cfg.nvme_dir), "optimizer state (fp32 master + 2 moments)",
+                       f"free disk space under {cfg.nvme_dir} or choose another nvme_dir")
+        self.planned_bytes = need
+
+    def _make_state(self):
+        cfg = self.cfg
+        if cfg.offload == "nvme":
+            from nvme import IOEngine, SwapStore
+
+            io = IOEngine(threads=cfg.io_threads, block_bytes=cfg.io_block_bytes,
+                          queue_depth=cfg.io_queue_depth)
+            store = SwapStore(cfg.nvme_dir, engine=io,
+                              verify="cold" if cfg.verify_checksums else "off")
+            store.preflight(sum(b.numel for b in self.blocks) * 12)
+            return NvmeState(self.blocks, store, cfg.buffer_count, self.account,
+                             self.links["nvme_read"], self.links["nvme_write"],
+                             prefetch=cfg.prefetch_optimizer_state)
+        tier = "device" if cfg.offload == "none" else "host"
+        return ResidentState(self.blocks, tier, self.device, self.pin, self.account)
+
+    # -- timing hooks -----------------------------------------------------------------------
+    def _on_forward_start(self, module, args) -> None:
+        self._fwd_t0 = time.perf_counter()
+
+    def _on_forward_end(self, module, args, output) -> None:
+        if self._fwd_t0 is not None:
+            self._pending.forward_s += time.perf_counter() - self._fwd_t0
+            self._fwd_t0 = None
+
+    # -- the public loop --------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, divided by grad_accum_steps (and multiplied by the
+        fp16 loss scale); gradients are offloaded while it runs."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward needs the scalar loss tensor")
+        accum = self.cfg.grad_accum_steps
+        self.grads.begin_micro(self.micro_step % accum)
+        t0 = time.perf_counter()
+        # loss / accum (not loss * (1/accum)): the same float the plain-PyTorch loop computes
+        scaled = loss / accum if self.loss_scale == 1.0 else loss * self.loss_scale / accum
+        scaled.backward()
+        self._pending.backward_s += time.perf_counter() - t0
+
+    def step(self) -> bool:
+        """Call once per micro-batch. Every grad_accum_steps-th call applies the update; returns
+        True when an update was applied (False between boundaries and on fp16 overflow)."""
+        self.micro_step += 1
+        if self.micro_step % self.cfg.grad_accum_steps:
+            return False
+        t_step = time.perf_counter()
+        rep = self._pending
+        self._pending = StepReport()
+        before = {k: v.nbytes for k, v in self.links.items()}
+        rep.grad_wait_s = self.grads.wait()
+        self.grads.finish_window()
+        grad_scale, norm = self._grad_scale()
+        rep.loss_scale = self.loss_scale
+        rep.grad_norm = norm
+        if grad_scale is None:  # fp16 overflow: nothing touched, scale lowered
+            rep.applied = False
+            self._finish_report(rep, t_step, before)
+            return False
+        self.global_step += 1
+        self._apply(grad_scale, rep)
+        self._finish_report(rep, t_step, before)
+        return True
+
+    def _finish_report(self, rep: StepReport, t_step: float, before: dict[str, int]) -> None:
+        rep.step_s = time.perf_counter() - t_step
+        rep.bytes = {k: v.nbytes - before[k] for k, v in self.links.items()}
+        self.last_report = rep
+
+    def _grad_scale(self) -> tuple[float | None, float | None]:
+        """(factor to multiply gradients by, global norm of the true gradients) — or (None, norm)
+        when fp16 gradients overflowed and the update must be skipped."""
+        cfg = self.cfg
+        fp16 = cfg.dtype == "fp16"
+        if not (cfg.grad_clip > 0 or fp16):
+            return 1.0, None
+        total = self.grads.global_norm(self._norm_order)  # of the (loss-scaled) gradients
+        if fp16:
+            if not bool(torch.isfinite(total)):
+                self._on_overflow()
+                return None, float("inf")
+            self._on_clean_step()
+        inv_scale = 1.0 / self.loss_scale
+        if inv_scale != 1.0:
+            total = total * inv_scale
+        if cfg.grad_clip <= 0:
+            return inv_scale, float(total)
+        # exactly clip_grad_norm_'s arithmetic: fp32 tensors, 1e-6 guard, clamp at 1
+        coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
+        return float(coef) * inv_scale if inv_scale != 1.0 else float(coef), float(total)
+
+    def _on_overflow(self) -> None:
+        self.skipped_steps += 1
+        self._clean_steps = 0
+        if self.cfg.loss_scale > 0:  # a fixed scale never changes
+            return
+        self._hysteresis_left -= 1
+        if self._hysteresis_left <= 0:
+            self.loss_scale = max(self.loss_scale / 2, self.cfg.min_loss_scale)
+            self._hysteresis_left = self.cfg.hysteresis
+
+    def _on_clean_step(self) -> None:
+        if self.cfg.loss_scale > 0:
+            return
+        self._clean_steps += 1
+        if self._clean_steps >= self.cfg.loss_scale_window:
+            self.loss_scale *= 2
+            self._clean_steps = 0
+            self._hysteresis_left = self.cfg.hysteresis
+
+    def _apply(self, grad_scale: float, rep: StepReport) -> None:
+        cfg = self.cfg
+        beta1, beta2 = cfg.betas
+        kernel = _torch_adamw_step if (cfg.offload == "none" and self.cuda) else cpu_adamw_step
+        order = self._step_order()
+        io0 = self.state.io_wait_s
+        if self.cuda:
+            # the H2D stream overwrites device weights that backward's kernels may still be
+            # reading: order it after everything issued so far on the compute stream
+            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.state.begin_step(order)
+        for k, bi in enumerate(order):
+            master, exp_avg, exp_avg_sq = self.state.acquire(bi)
+            out16, slot = self._upload_target(bi, k)
+            t0 = time.perf_counter()
+            kernel(master, exp_avg, exp_avg_sq, self.grads.landing[bi], step=self.global_step,
+                   lr=self.lr, beta1=beta1, beta2=beta2, eps=cfg.eps,
+                   weight_decay=cfg.weight_decay, grad_scale=grad_scale,
+                   out16=out16 if self.dtype != torch.float32 else None)
+            if self.dtype == torch.float32 and out16 is not None:
+                out16.copy_(master)
+            rep.cpu_step_s += time.perf_counter() - t0
+            self.state.release(bi, modified=True)
+            t0 = time.perf_counter()
+            self._upload(bi, out16, slot)
+            rep.upload_s += time.perf_counter() - t0
+        self.state.end_step(order, self.global_step)
+        if self.cuda:
+            t0 = time.perf_counter()
+            # the next forward runs on the compute stream; it must see the new weights
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
+            rep.upload_s += time.perf_counter() - t0
+        rep.io_wait_s = self.state.io_wait_s - io0
+
+    def _upload_target(self, bi: int, k: int) -> tuple[torch.Tensor, int]:
+        """Where the step writes block bi's new 16-bit weights: straight into the device buffer
+        when the device is the CPU (or the state is on the device), else a pinned ring slot."""
+        if not self.cuda or self.cfg.offload == "none":
+            return self.flat16[bi], -1
+        slot = k % len(self._upload_ring)
+        done = self._upload_done[slot]
+        if done is not None:
+            done.synchronize()  # the slot's previous upload must have left before we overwrite
+        return self._upload_ring[slot][:self.blocks[bi].numel], slot
+
+    def _upload(self, bi: int, out16: torch.Tensor, slot: int) -> None:
+        nbytes = self.flat16[bi].numel() * self.flat16[bi].element_size()
+        if slot >= 0:
+            with torch.cuda.stream(self.h2d_stream):
+                self.flat16[bi].copy_(out16, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.h2d_stream)
+            self._upload_done[slot] = ev
+        self.links["h2d"].add(nbytes)
+
+    # -- inspection -------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+            raise ConfigError(f"lr must be a finite number >= 0, got {lr!r}")
+        self.lr = float(lr)
+
+    def master_params(self) -> dict[str, torch.Tensor]:
+        """{parameter name: fp32 CPU tensor}: the current master weights (copies)."""
+        out: dict[str, torch.Tensor] = {}
+        for bi, block in enumerate(self.blocks):
+            flat = self.state.read(bi, "master")
+            out.update({k: v.clone() for k, v in block.views(flat).items()})
+        return out
+
+    def optimizer_state(self, bi: int) -> dict[str, torch.Tensor]:
+        """Copies of block bi's flat fp32 state: master, exp_avg, exp_avg_sq."""
+        return {k: self.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes per tier by kind (weights, masters, moments, grads, buffers), with peaks, plus
+        the process's peak RSS and (CUDA) peak device allocation."""
+        rep: dict[str, Any] = self.account.report()
+        rep["process"] = {"peak_rss": peak_rss_bytes()}
+        if self.cuda:
+            rep["process"]["peak_device_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return rep
+
+    def format_memory_report(self) -> str:
+        return format_report({k: v for k, v in self.account.report().items()})
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.grads.close()
+        self.state.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def initialize(model: nn.Module, config: OffloadConfig | Mapping[str, Any] | None = None,
+               **overrides: Any) -> Engine:
+    """Wrap `model` for offloaded training. `config` is an OffloadConfig, our flat dict, or a
+    DeepSpeed-style dict; keyword overrides replace single fields."""
+    cfg = as_config(config)
+    if overrides:
+        unknown = sorted(set(overrides) - set(OffloadConfig.field_names()))
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)}; valid: "
+                              f"{', '.join(OffloadConfig.field_names())}")
+        cfg = cfg.replace(**overrides)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize needs an nn.Module, got {type(model).__name__}")
+    return Engine(model, cfg)
+
+
+__all__ = ["Engine", "StepReport", "initialize", "BudgetError"]

@@ -1,0 +1,205 @@
+"""Gradients leave the device during backward.
+
+Every trainable parameter gets a post-accumulate-grad hook. When autograd has finished a
+parameter's gradient for this backward, the hook copies it device->host into that
+parameter's slice of its block's landing buffer and frees the device copy — one crossing per
+gradient per micro-batch, while backward goes on with earlier layers. With gradient
+accumulation the landing buffer is fp32 and later micro-batches are added into it on the host.
+
+As each parameter's *final* gradient of an accumulation window lands, its L2 norm is taken,
+so the global norm (for clipping) and the inf/nan check (for fp16 loss scaling) are known the
+moment backward ends and the optimizer step can start at once.
+
+On CUDA the copies run on a side stream (ordered after the producing kernels by an event),
+into pinned memory, and a worker thread does the host-side part (accumulate, norm) once each
+copy's event completes, so the Python thread driving backward never blocks on a copy. On the
+CPU device the same steps run inline in the hook.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from offload.blocks import Block, ParamSlot
+from offload.tiers import LinkCounter, MemoryAccount, host_empty, host_zeros
+
+
+class GradLanding:
+    def __init__(self, blocks: list[Block], grad_dtype: torch.dtype, accum_steps: int,
+                 account: MemoryAccount, d2h: LinkCounter, *,
+                 source_device: torch.device = torch.device("cpu"),
+                 landing_device: torch.device = torch.device("cpu"), pin: bool = False):
+        self.blocks = blocks
+        self.grad_dtype = grad_dtype
+        self.accum_steps = accum_steps
+        self.d2h = d2h
+        # the asynchronous path: gradients produced on a GPU landing in host memory
+        self.cuda = source_device.type == "cuda" and landing_device.type == "cpu"
+        self.device = source_device
+        # Accumulating several micro-batches of 16-bit gradients in 16 bits would lose
+        # precision, so with accumulation the landing buffer is fp32.
+        self.landing_dtype = torch.float32 if accum_steps > 1 else grad_dtype
+        tier = "host" if landing_device.type == "cpu" else "device"
+        self.landing = [host_zeros(b.numel, self.landing_dtype, pin) if tier == "host" else
+                        torch.zeros(b.numel, dtype=self.landing_dtype, device=landing_device)
+                        for b in blocks]
+        for t in self.landing:
+            account.add(tier, "grads", t.numel() * t.element_size())
+        # A device->host copy cannot add into its destination, so on CUDA with accumulation
+        # each micro-batch lands in a pinned staging buffer first and is added on the host.
+        self.staging: list[torch.Tensor] | None = None
+        if self.cuda and accum_steps > 1:
+            self.staging = [host_empty(b.numel, grad_dtype, pin) for b in blocks]
+            for t in self.staging:
+                account.add("host", "buffers", t.numel() * t.element_size())
+        self.slot_norm: dict[str, torch.Tensor] = {}  # param name -> fp32 0-d norm (final grads)
+        self.micro = 0  # micro-batch index inside the accumulation window
+        self.landed: list[set[str]] = [set() for _ in blocks]
+        self.on_block_done: Callable[[Block], None] | None = None
+        self._hooks: list = []
+        self._errors: list[BaseException] = []
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            self._work: queue.Queue = queue.Queue()
+            self._pending = 0
+            self._cv = threading.Condition()
+            self._worker = threading.Thread(target=self._run_worker, daemon=True,
+                                            name="offload-grad-landing")
+            self._worker.start()
+
+    # -- hooks ------------------------------------------------------------------------------
+    def attach(self) -> None:
+        for bi, block in enumerate(self.blocks):
+            for slot in block.slots:
+                hook = self._make_hook(bi, slot)
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def begin_micro(self, micro: int) -> None:
+        self.micro = micro
+        if micro == 0:
+            self.slot_norm.clear()
+            self.landed = [set() for _ in self.blocks]
+
+    @property
+    def is_last_micro(self) -> bool:
+        return self.micro == self.accum_steps - 1
+
+    def _make_hook(self, bi: int, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None:
+                return
+            param.grad = None  # the device copy is freed as soon as the copy below is done
+            nbytes = grad.numel() * grad.element_size()
+            if self.cuda:
+                self._land_cuda(bi, slot, grad)
+            else:
+                t0 = time.perf_counter()
+                self._land_host(bi, slot, grad.reshape(-1), self.micro)
+                self.d2h.add(nbytes, time.perf_counter() - t0)
+                if self.is_last_micro:
+                    self._after_land(bi, slot)
+                return
+            self.d2h.add(nbytes)
+        return hook
+
+    def _land_host(self, bi: int, slot: ParamSlot, src: torch.Tensor, micro: int) -> None:
+        dst = self.landing[bi][slot.offset:slot.offset + slot.numel]
+        if micro == 0:
+            dst.copy_(src)
+        else:
+            dst.add_(src)
+
+    def _after_land(self, bi: int, slot: ParamSlot) -> None:
+        dst = self.landing[bi][slot.offset:slot.offset + slot.numel]
+        # norm in fp32 whatever the landing dtype: the same number clip_grad_norm_ computes
+        # per parameter before combining them.
+        self.slot_norm[slot.name] = torch.linalg.vector_norm(dst, dtype=torch.float32)
+        landed = self.landed[bi]
+        landed.add(slot.name)
+        if len(landed) == len(self.blocks[bi].slots) and self.on_block_done is not None:
+            self.on_block_done(self.blocks[bi])
+
+    # -- CUDA path --------------------------------------------------------------------------
+    def _land_cuda(self, bi: int, slot: ParamSlot, grad: torch.Tensor) -> None:
+        # The gradient was produced by kernels on the backward's current stream; the side
+        # stream must not read it before they finish, hence the event wait (not a device sync).
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        # micro-batch 0 of a window overwrites, so it can land straight in the landing buffer
+        # when no dtype change is needed; anything else goes through staging + a host add.
+        direct = self.micro == 0 and self.landing_dtype == self.grad_dtype
+        dst_buf = self.landing[bi] if direct else self.staging[bi]  # type: ignore[index]
+        dst = dst_buf[slot.offset:slot.offset + slot.numel]
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(produced)
+            dst.copy_(grad.reshape(-1), non_blocking=True)
+            # the caching allocator may hand this memory to someone else once the Python
+            # reference is gone; record_stream keeps it until the side stream's copy is done
+            grad.record_stream(self.stream)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        with self._cv:
+            self._pending += 1
+        self._work.put((copied, bi, slot, None if direct else dst, self.micro))
+
+    def _run_worker(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            copied, bi, slot, staged, micro = item
+            try:
+                copied.synchronize()  # blocks this worker only; releases the GIL
+                if staged is not None:
+                    self._land_host(bi, slot, staged, micro)
+                if micro == self.accum_steps - 1:
+                    self._after_land(bi, slot)
+            except BaseException as e:  # surfaced to the caller in wait()
+                self._errors.append(e)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    # -- completion -------------------------------------------------------------------------
+    def wait(self) -> float:
+        """Block until every issued gradient copy has landed. Returns seconds waited."""
+        t0 = time.perf_counter()
+        if self.cuda:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending == 0)
+        if self._errors:
+            raise self._errors.pop(0)
+        return time.perf_counter() - t0
+
+    def finish_window(self) -> None:
+        """After the last micro-batch: slots that got no gradient in the whole window (unused
+        parameters) count as zero gradients."""
+        for bi, block in enumerate(self.blocks):
+            for slot in block.slots:
+                if slot.name not in self.landed[bi]:
+                    self.landing[bi][slot.offset:slot.offset + slot.numel].zero_()
+                    self.slot_norm[slot.name] = torch.zeros((), dtype=torch.float32)
+                    self.landed[bi].add(slot.name)
+
+    def global_norm(self, names_in_order: list[str]) -> torch.Tensor:
+        """The L2 norm over all gradients, combined as torch.nn.utils.clip_grad_norm_ does:
+        the norm of the per-parameter norms, in parameter order."""
+        return torch.linalg.vector_norm(torch.stack([self.slot_norm[n] for n in names_in_order]))
+
+    def close(self) -> None:
+        self.detach()
+        if self.cuda:
+            self._work.put(None)
+            self._worker.join(timeout=5)

@@ -1,0 +1,227 @@
+"""Where the optimizer state (fp32 master, exp_avg, exp_avg_sq per block) lives between steps.
+
+`ResidentState` keeps every block's state in memory: on the device for offload="none", in
+host RAM (pinned with CUDA) for offload="cpu". `NvmeState` keeps it in swap files and moves
+it through a fixed ring of `buffer_count` staging sets, so host memory for optimizer state is
+bounded by buffer_count x largest block, whatever the model size.
+
+Both expose the same pipeline protocol, which the engine drives block by block:
+
+    begin_step(order)          # the order the step will consume blocks in
+    m, a, s = acquire(i)       # wait until block i's state is in memory
+    ... step block i ...
+    release(i, modified=True)  # write-behind; the staging set is reused after the write
+    end_step(next_order)       # writes durable, manifest committed; start reading for next step
+
+For NVMe the reads for the next step are submitted at the end of this one, in the order the
+next step will consume them, so they run while the next forward and backward compute — the
+step then starts with its first `buffer_count` blocks already in memory (DeepSpeed only starts
+reading inside the step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from offload.blocks import Block
+from offload.tiers import LinkCounter, MemoryAccount, host_zeros
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class ResidentState:
+    def __init__(self, blocks: list[Block], tier: str, device: torch.device, pin: bool,
+                 account: MemoryAccount):
+        self.blocks = blocks
+        self.tier = tier  # "device" (offload none) or "host"
+        self.state: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(blocks)
+        self._device, self._pin, self._account = device, pin, account
+        self.io_wait_s = 0.0
+
+    def _alloc(self, numel: int) -> torch.Tensor:
+        if self.tier == "device":
+            return torch.zeros(numel, dtype=torch.float32, device=self._device)
+        return host_zeros(numel, torch.float32, self._pin)
+
+    def init_block(self, bi: int, master_fp32: torch.Tensor) -> None:
+        numel = self.blocks[bi].numel
+        master, m, v = self._alloc(numel), self._alloc(numel), self._alloc(numel)
+        master.copy_(master_fp32)
+        self.state[bi] = (master, m, v)
+        self._account.add(self.tier, "masters", numel * 4)
+        self._account.add(self.tier, "moments", numel * 8)
+
+    def begin_step(self, order: list[int]) -> None:
+        pass
+
+    def acquire(self, bi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        state = self.state[bi]
+        assert state is not None, f"block {bi} was never initialised"
+        return state
+
+    def release(self, bi: int, modified: bool) -> None:
+        pass
+
+    def end_step(self, next_order: list[int], step: int) -> None:
+        pass
+
+    def read(self, bi: int, kind: str) -> torch.Tensor:
+        """A CPU copy of one state tensor of block bi."""
+        return self.acquire(bi)[STATE_KINDS.index(kind)].detach().to("cpu", copy=True)
+
+    def load(self, bi: int, kind: str, values: torch.Tensor) -> None:
+        self.acquire(bi)[STATE_KINDS.index(kind)].copy_(values)
+
+    def close(self) -> None:
+        pass
+
+
+class NvmeState:
+    def __init__(self, blocks: list[Block], store, buffer_count: int, account: MemoryAccount,
+                 read_link: LinkCounter, write_link: LinkCounter, prefetch: bool = True):
+        from nvme import aligned_empty  # page-aligned: O_DIRECT reads/writes go straight in
+
+        self.blocks = blocks
+        self.store = store
+        self.prefetch = prefetch
+        self.read_link, self.write_link = read_link, write_link
+        max_numel = max(b.numel for b in blocks)
+        # buffer_count sets of (master, exp_avg, exp_avg_sq), each sized for the largest block
+        self.sets = [tuple(aligned_empty(max_numel, torch.float32) for _ in STATE_KINDS)
+                     for _ in range(buffer_count)]
+        account.add("host", "buffers", buffer_count * 3 * max_numel * 4)
+        for b in blocks:
+            account.add("nvme", "masters", b.numel * 4)
+            account.add("nvme", "moments", b.numel * 8)
+        self.free: deque[int] = deque(range(buffer_count))
+        self.writing: dict[int, list] = {}  # set -> pending write handles
+        self.reading: dict[int, tuple[int, list]] = {}  # block -> (set, pending read handles)
+        self.queue: deque[int] = deque()  # blocks still to be read, in consumption order
+        self.io_wait_s = 0.0
+
+    @staticmethod
+    def name(block: Block, kind: str) -> str:
+        return f"{block.name}.{kind}"
+
+    def _views(self, si: int, bi: int) -> tuple[torch.Tensor, ...]:
+        n = self.blocks[bi].numel
+        return tuple(t[:n] for t in self.sets[si])
+
+    # -- initialisation ---------------------------------------------------------------------
+    def init_block(self, bi: int, master_fp32: torch.Tensor) -> None:
+        si = self._take_set(block=True)
+        master, m, v = self._views(si, bi)
+        master.copy_(master_fp32)
+        m.zero_()
+        v.zero_()
+        self._write(si, bi)
+
+    # -- pipeline ---------------------------------------------------------------------------
+    def _take_set(self, block: bool) -> int | None:
+        """A staging set with no IO in flight: a free one, or the one whose writes finish
+        first (waiting for them only when `block`)."""
+        if self.free:
+            return self.free.popleft()
+        for si, handles in self.writing.items():
+            if all(h.done() for h in handles):
+                self._finish_writes(si)
+                return si
+        if not block or not self.writing:
+            return None
+        si = next(iter(self.writing))  # oldest write first (dicts keep insertion order)
+        t0 = time.perf_counter()
+        self._finish_writes(si)
+        self.io_wait_s += time.perf_counter() - t0
+        return si
+
+    def _finish_writes(self, si: int) -> None:
+        for h in self.writing.pop(si):
+            h.wait()
+
+    def _pump(self, block: bool = False) -> None:
+        """Submit reads for queued blocks while staging sets are available."""
+        while self.queue:
+            si = self._take_set(block=block)
+            if si is None:
+                return
+            bi = self.queue.popleft()
+            handles = [self.store.read_into(self.name(self.blocks[bi], kind), view)
+                       for kind, view in zip(STATE_KINDS, self._views(si, bi))]
+            self.read_link.add(self.blocks[bi].numel * 12)
+            self.reading[bi] = (si, handles)
+            block = False  # only the read the caller is waiting for may block
+
+    def begin_step(self, order: list[int]) -> None:
+        pending = set(self.reading)
+        self.queue = deque(bi for bi in order if bi not in pending)
+        self._pump()
+
+    def acquire(self, bi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if bi not in self.reading:
+            if bi in self.queue:  # it must be next: reads are issued in consumption order
+                self.queue.remove(bi)
+            self.queue.appendleft(bi)
+            self._pump(block=True)
+        si, handles = self.reading[bi]
+        t0 = time.perf_counter()
+        for h in handles:
+            h.wait()
+        self.io_wait_s += time.perf_counter() - t0
+        self._current = (bi, si)
+        return self._views(si, bi)  # type: ignore[return-value]
+
+    def _write(self, si: int, bi: int) -> None:
+        block = self.blocks[bi]
+        self.writing[si] = [self.store.write(self.name(block, kind), view)
+                            for kind, view in zip(STATE_KINDS, self._views(si, bi))]
+        self.write_link.add(block.numel * 12)
+
+    def release(self, bi: int, modified: bool) -> None:
+        si, _ = self.reading.pop(bi)
+        if modified:
+            self._write(si, bi)  # write-behind: the set is reused once these complete
+        else:
+            self.free.append(si)
+        self._pump()
+
+    def end_step(self, next_order: list[int], step: int) -> None:
+        """Make this step's state durable (all writes done, manifest committed with the step
+        counter), then start reading the next step's first blocks."""
+        t0 = time.perf_counter()
+        for si in list(self.writing):
+            self._finish_writes(si)
+            self.free.append(si)
+        self.store.set_step(step)
+        self.store.commit()
+        self.io_wait_s += time.perf_counter() - t0
+        if self.prefetch:
+            self.begin_step(next_order)
+
+    def drain(self) -> None:
+        """No IO in flight and nothing staged (before direct reads or checkpointing)."""
+        for si in list(self.writing):
+            self._finish_writes(si)
+            self.free.append(si)
+        for bi, (si, handles) in list(self.reading.items()):
+            for h in handles:
+                h.wait()
+            self.free.append(si)
+        self.reading.clear()
+        self.queue.clear()
+
+    def read(self, bi: int, kind: str) -> torch.Tensor:
+        self.drain()
+        out = torch.empty(self.blocks[bi].numel, dtype=torch.float32)
+        self.store.read_into(self.name(self.blocks[bi], kind), out).wait()
+        return out
+
+    def load(self, bi: int, kind: str, values: torch.Tensor) -> None:
+        self.drain()
+        self.store.write(self.name(self.blocks[bi], kind), values.contiguous()).wait()
+
+    def close(self) -> None:
+        self.drain()
+        self.store.close()

@@ -1,0 +1,180 @@
+"""The three memory tiers (device, host, nvme): budgets, host buffer allocation, and an exact
+account of what lives where.
+
+Budgets are checked *before* anything is allocated: a plan that does not fit is refused with
+a message saying what would fit, instead of being discovered as an OOM in the middle of a run.
+On a machine without a GPU the device tier is the CPU; the same budgets and the same account
+apply, so every tier transition runs (and is tested) on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import threading
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from offload.config import format_bytes
+
+TIERS = ("device", "host", "nvme")
+KINDS = ("weights", "masters", "moments", "grads", "buffers", "activations", "kv_cache")
+
+
+class BudgetError(RuntimeError):
+    """A plan does not fit its memory budgets; the message says what would."""
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Free memory on the device tier right now (for cpu: psutil's available RAM)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def host_free_bytes() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def disk_free_bytes(path: str) -> int:
+    """Free bytes on the filesystem holding `path` (or its nearest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return int(shutil.disk_usage(probe).free)
+
+
+def locked_memory_limit_bytes() -> int | None:
+    """RLIMIT_MEMLOCK (ulimit -l) in bytes; None when unlimited. CUDA's pinned allocations
+    are not bounded by it (the driver locks pages itself), but a too-large pinned pool is
+    still unswappable RAM taken from the rest of the system."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def check_fits(tier: str, need_bytes: int, budget_bytes: int | None, free_bytes: int,
+               what: str, hint: str) -> None:
+    """Refuse `need_bytes` on `tier` if it exceeds the explicit budget or what is free."""
+    limit = free_bytes if budget_bytes is None else min(budget_bytes, free_bytes)
+    if need_bytes > limit:
+        source = (f"the {tier} budget of {format_bytes(budget_bytes)}"
+                  if budget_bytes is not None and budget_bytes <= free_bytes
+                  else f"the {format_bytes(free_bytes)} free on the {tier} tier")
+        raise BudgetError(f"{what} needs {format_bytes(need_bytes)} on the {tier} tier, more than "
+                          f"{source}; {hint}")
+
+
+_PIN_WARNED = False
+
+
+def pin_possible(pin: bool) -> bool:
+    return pin and torch.cuda.is_available()
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A flat host tensor, page-locked when asked and CUDA exists (pinned memory is what lets
+    device<->host copies run asynchronously at full link speed). If pinning fails (locked-memory
+    limits, fragmentation) we fall back to pageable memory once, with a warning: slower copies,
+    same results."""
+    global _PIN_WARNED
+    if pin_possible(pin):
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError as e:
+            if not _PIN_WARNED:
+                warnings.warn(f"pinning {format_bytes(numel * dtype.itemsize)} of host memory failed "
+                              f"({e}); using pageable memory (slower transfers)")
+                _PIN_WARNED = True
+    return torch.empty(numel, dtype=dtype)
+
+
+def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    t = host_empty(numel, dtype, pin)
+    t.zero_()
+    return t
+
+
+class MemoryAccount:
+    """Bytes held per (tier, kind), with the peak of each tier's total. Thread-safe: gradient
+    landing and IO workers update it too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self._peak: dict[str, int] = defaultdict(int)
+
+    def add(self, tier: str, kind: str, nbytes: int) -> None:
+        assert tier in TIERS and kind in KINDS, (tier, kind)
+        with self._lock:
+            self._bytes[tier, kind] += nbytes
+            total = sum(v for (t, _), v in self._bytes.items() if t == tier)
+            self._peak[tier] = max(self._peak[tier], total)
+
+    def sub(self, tier: str, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[tier, kind] -= nbytes
+            assert self._bytes[tier, kind] >= 0, (tier, kind)
+
+    def held(self, tier: str, kind: str | None = None) -> int:
+        with self._lock:
+            return sum(v for (t, k), v in self._bytes.items()
+                       if t == tier and (kind is None or k == kind))
+
+    def peak(self, tier: str) -> int:
+        with self._lock:
+            return self._peak[tier]
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """{tier: {kind: bytes, ..., "total": bytes, "peak": bytes}} for every tier."""
+        with self._lock:
+            out: dict[str, dict[str, int]] = {}
+            for tier in TIERS:
+                kinds = {k: self._bytes.get((tier, k), 0) for k in KINDS}
+                kinds = {k: v for k, v in kinds.items() if v}
+                kinds["total"] = sum(kinds.values())
+                kinds["peak"] = self._peak[tier]
+                out[tier] = kinds
+            return out
+
+
+def rss_bytes() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class LinkCounter:
+    """Bytes moved over one link and the seconds spent moving them (where measurable)."""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, nbytes: int, seconds: float = 0.0) -> None:
+        self.nbytes += nbytes
+        self.seconds += seconds
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def format_report(report: dict[str, dict[str, int]]) -> str:
+    lines = []
+    for tier, kinds in report.items():
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in kinds.items()
+                          if k not in ("total", "peak"))
+        lines.append(f"{tier:>6}: {format_bytes(kinds['total']):>11} (peak "
+                     f"{format_bytes(kinds['peak'])}){': ' + parts if parts else ''}")
+    return "\n".join(lines)

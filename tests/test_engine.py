@@ -1,0 +1,242 @@
+"""The training engine against plain PyTorch: torch.optim.AdamW (+ clip_grad_norm_ and
+gradient accumulation done the usual way) is the reference for every offload mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.config import ConfigError, OffloadConfig
+
+STEPS = 20
+
+
+class MLP(nn.Module):
+    """A non-transformer model whose repeated part is a ModuleList."""
+
+    def __init__(self, d_in: int = 12, d: int = 24, depth: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(depth))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.out(h)
+
+
+def mlp_batches(n: int, seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 12, generator=g, dtype=dtype), torch.randn(8, 1, generator=g, dtype=dtype))
+            for _ in range(n)]
+
+
+def mlp_loss(model, batch):
+    x, y = batch
+    out = model(x.to(next(model.parameters()).dtype))
+    return nn.functional.mse_loss(out.float(), y.float())
+
+
+def lm_batches(n: int, vocab: int, seq: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (2, seq), generator=g) for _ in range(n)]
+
+
+def hf_loss(model, ids):
+    out = model(ids)
+    logits = (out.logits if hasattr(out, "logits") else out)[:, :-1].float()
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def reference_train(model, batches, loss_fn, *, lr, betas, eps, wd, clip, accum):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = loss_fn(model, batch)
+        (loss / accum).backward()
+        losses.append(loss.item())
+        if (i + 1) % accum == 0:
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def engine_train(model, batches, loss_fn, cfg):
+    engine = offload.initialize(model, cfg)
+    losses, applied = [], 0
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        engine.backward(loss)
+        losses.append(loss.item())
+        applied += engine.step()
+    masters = engine.master_params()
+    return engine, masters, losses, applied
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max(((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12)).item()
+               for k in a)
+
+
+def _cfg(mode, tmp_path, **kw):
+    base = dict(offload=mode, nvme_dir=str(tmp_path / "swap") if mode == "nvme" else None,
+                dtype="fp32", device="cpu", lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    base.update(kw)
+    return OffloadConfig(**base)
+
+
+def _check_equivalence(make_model, batches, loss_fn, mode, tmp_path, clip, accum):
+    torch.manual_seed(0)
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    cfg = _cfg(mode, tmp_path, grad_clip=clip, grad_accum_steps=accum)
+    ref, ref_losses = reference_train(ref_model, batches, loss_fn, lr=cfg.lr, betas=cfg.betas,
+                                      eps=cfg.eps, wd=cfg.weight_decay, clip=clip, accum=accum)
+    engine, masters, losses, applied = engine_train(model, batches, loss_fn, cfg)
+    engine.close()
+    assert applied == STEPS
+    assert max_rel_diff(masters, ref) <= 1e-6
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+MODES = ["none", "cpu", "nvme"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip,accum", [(0.0, 1), (0.05, 1), (0.0, 4), (0.05, 4)])
+def test_mlp_matches_torch_adamw(mode, clip, accum, tmp_path):
+    _check_equivalence(MLP, mlp_batches(STEPS * accum), mlp_loss, mode, tmp_path, clip, accum)
+
+
+def _tiny_llama():
+    from offload.models import build_model, preset
+
+    return build_model(preset("tiny"), device="cpu", seed=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip,accum", [(0.0, 1), (0.5, 4)])
+def test_tiny_llama_matches_torch_adamw(mode, clip, accum, tmp_path):
+    vocab = _tiny_llama().config.vocab_size
+    _check_equivalence(_tiny_llama, lm_batches(STEPS * accum, vocab), hf_loss, mode, tmp_path,
+                       clip, accum)
+
+
+def _hf_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip,accum", [(0.0, 1), (0.5, 4)])
+def test_transformers_llama_matches_torch_adamw(mode, clip, accum, tmp_path):
+    _check_equivalence(_hf_llama, lm_batches(STEPS * accum, 96), hf_loss, mode, tmp_path,
+                       clip, accum)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_bf16_follows_fp32_loss_curve(mode, tmp_path):
+    torch.manual_seed(0)
+    model = MLP(d=64)
+    ref_model = copy.deepcopy(model)
+    batches = mlp_batches(30)
+    _, ref_losses = reference_train(ref_model, batches, mlp_loss, lr=3e-3, betas=(0.9, 0.999),
+                                    eps=1e-8, wd=0.0, clip=1.0, accum=1)
+    engine, _, losses, _ = engine_train(model, batches, mlp_loss,
+                                        _cfg(mode, tmp_path, dtype="bf16", lr=3e-3,
+                                             betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1.0))
+    engine.close()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # mixed-precision tolerance: each step's loss within 5% of the fp32 run's, and it falls as much
+    assert losses == pytest.approx(ref_losses, rel=5e-2)
+    assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_fp16_overflow_skips_update(mode, tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    engine = offload.initialize(model, _cfg(mode, tmp_path, dtype="fp16", initial_scale_power=8))
+    batches = mlp_batches(3)
+    engine.backward(mlp_loss(model, batches[0]))
+    assert engine.step()
+    scale = engine.loss_scale
+    before = [engine.optimizer_state(i) for i in range(len(engine.blocks))]
+    # an inf in one gradient: the hook runs before the gradient is accumulated and offloaded
+    victim = model.layers[1][0].weight
+    handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    engine.backward(mlp_loss(model, batches[1]))
+    assert engine.step() is False
+    handle.remove()
+    after = [engine.optimizer_state(i) for i in range(len(engine.blocks))]
+    for b, a in zip(before, after):
+        for k in b:
+            assert torch.equal(b[k].view(torch.int32), a[k].view(torch.int32)), k
+    assert engine.loss_scale == scale / 2
+    assert engine.skipped_steps == 1 and engine.global_step == 1
+    engine.backward(mlp_loss(model, batches[2]))
+    assert engine.step() is True and engine.global_step == 2
+    changed = engine.optimizer_state(0)["master"]
+    assert not torch.equal(changed, after[0]["master"])
+    engine.close()
+
+
+def test_memory_report_and_time_split(tmp_path):
+    model = MLP()
+    engine = offload.initialize(model, _cfg("nvme", tmp_path))
+    engine.backward(mlp_loss(model, mlp_batches(1)[0]))
+    engine.step()
+    rep = engine.memory_report()
+    n = sum(p.numel() for p in model.parameters())
+    assert rep["nvme"]["masters"] == 4 * n and rep["nvme"]["moments"] == 8 * n
+    assert rep["device"]["weights"] == 4 * n and rep["host"]["grads"] == 4 * n
+    step = engine.last_report
+    assert step.bytes["d2h"] == 4 * n and step.bytes["h2d"] == 4 * n
+    assert step.bytes["nvme_read"] == 12 * n and step.bytes["nvme_write"] == 12 * n
+    assert step.forward_s > 0 and step.backward_s > 0 and step.cpu_step_s > 0
+    engine.close()
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ConfigError, match="valid keys"):
+        OffloadConfig.from_dict({"offlaod": "cpu"})
+    with pytest.raises(ConfigError, match="nvme_dir"):
+        OffloadConfig(offload="nvme")
+    with pytest.raises(ConfigError, match="dtype"):
+        OffloadConfig(dtype="int8")
+    with pytest.raises(ConfigError, match="betas"):
+        OffloadConfig(betas=(0.9, 1.5))
+
+
+def test_deepspeed_dict(tmp_path):
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {
+              "device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "buffer_count": 5}},
+          "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 4},
+          "bf16": {"enabled": True}, "gradient_clipping": 1.0, "gradient_accumulation_steps": 4,
+          "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.95],
+                                                    "eps": 1e-8, "weight_decay": 0.1}}}
+    cfg = OffloadConfig.from_dict(ds)
+    assert (cfg.offload, cfg.nvme_dir, cfg.buffer_count, cfg.dtype) == ("nvme", str(tmp_path), 5, "bf16")
+    assert (cfg.io_block_bytes, cfg.io_queue_depth, cfg.io_threads) == (1 << 20, 8, 4)
+    assert (cfg.grad_clip, cfg.grad_accum_steps, cfg.lr, cfg.betas, cfg.weight_decay) == \
+        (1.0, 4, 2e-5, (0.9, 0.95), 0.1)
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        OffloadConfig.from_dict({"zero_optimization": {"offload_optimizer": {"devcie": "cpu"}}})
+
+
+def test_budget_refused_up_front():
+    model = MLP()
+    with pytest.raises(offload.BudgetError, match="host budget"):
+        offload.initialize(model, OffloadConfig(offload="cpu", device="cpu", host_budget="1KiB"))
