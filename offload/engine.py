@@ -17,7 +17,9 @@ One update, in order:
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -33,6 +35,10 @@ from offload.optstate import NvmeState, ResidentState
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, check_fits, device_free_bytes,
                            disk_free_bytes, format_report, host_empty, host_free_bytes,
                            peak_rss_bytes)
+
+
+class StateError(RuntimeError):
+    """A saved training state cannot be restored into this engine."""
 
 
 @dataclass
@@ -360,6 +366,78 @@ class Engine:
         """Copies of block bi's flat fp32 state: master, exp_avg, exp_avg_sq."""
         return {k: self.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
 
+    # -- checkpoints ------------------------------------------------------------------------
+    def _layout(self) -> list[dict[str, Any]]:
+        return [{"name": b.name, "numel": b.numel,
+                 "params": [[s.name, list(s.shape)] for s in b.slots]} for b in self.blocks]
+
+    def state_meta(self) -> dict[str, Any]:
+        """Everything besides the tensors that a resumed run needs to continue exactly."""
+        return {"format": "offload-engine-state", "version": 1, "global_step": self.global_step,
+                "micro_step": self.micro_step, "loss_scale": self.loss_scale,
+                "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left,
+                "skipped_steps": self.skipped_steps, "lr": self.lr, "dtype": self.cfg.dtype,
+                "layout": self._layout()}
+
+    def save_state(self, directory: str) -> None:
+        """Write masters, moments and counters into `directory` (one safetensors file per block,
+        each written atomically, then engine_state.json last: a directory whose json exists is
+        complete). Only whole updates are saved: call at an accumulation boundary."""
+        from nvme.format import write_file
+
+        if self.micro_step % self.cfg.grad_accum_steps:
+            raise RuntimeError("save_state in the middle of gradient accumulation; save after the "
+                               "step() that applied an update")
+        os.makedirs(directory, exist_ok=True)
+        for bi, block in enumerate(self.blocks):
+            write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
+                       self.optimizer_state(bi), {"block": block.name})
+        tmp = os.path.join(directory, "engine_state.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.state_meta(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(directory, "engine_state.json"))
+
+    def load_state(self, directory: str) -> None:
+        """Restore what save_state wrote; refuses a state saved from a different model."""
+        from nvme.format import FormatError, SafetensorsFile
+
+        meta_path = os.path.join(directory, "engine_state.json")
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise StateError(f"{directory}: no engine_state.json — not a saved training state "
+                             f"(or the save was interrupted)") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise StateError(f"{meta_path}: unreadable ({e})") from None
+        if meta.get("format") != "offload-engine-state":
+            raise StateError(f"{meta_path}: not an offload engine state")
+        if meta.get("layout") != self._layout():
+            raise StateError(f"{directory}: the saved state is for a different model (its "
+                             f"parameter names or shapes differ from this model's); resume with "
+                             f"the model it was saved from or start a fresh run")
+        for bi, block in enumerate(self.blocks):
+            path = os.path.join(directory, f"block-{bi:05d}.safetensors")
+            try:
+                with SafetensorsFile(path) as f:
+                    values = {k: f.read(k) for k in ("master", "exp_avg", "exp_avg_sq")}
+            except (FormatError, KeyError, OSError) as e:
+                raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
+            for kind, t in values.items():
+                if t.shape != (block.numel,) or t.dtype != torch.float32:
+                    raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
+                                     f"expected ({block.numel},) float32")
+                self.state.load(bi, kind, t)
+            self.flat16[bi].copy_(values["master"])  # device weights follow the masters
+        self.global_step, self.micro_step = meta["global_step"], meta["micro_step"]
+        self.loss_scale, self._clean_steps = meta["loss_scale"], meta["clean_steps"]
+        self._hysteresis_left, self.skipped_steps = meta["hysteresis_left"], meta["skipped_steps"]
+        self.lr = meta["lr"]
+        if isinstance(self.state, NvmeState):
+            self.state.end_step(self._step_order(), self.global_step)
+
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes per tier by kind (weights, masters, moments, grads, buffers), with peaks, plus
         the process's peak RSS and (CUDA) peak device allocation."""
@@ -402,4 +480,4 @@ def initialize(model: nn.Module, config: OffloadConfig | Mapping[str, Any] | Non
     return Engine(model, cfg)
 
 
-__all__ = ["Engine", "StepReport", "initialize", "BudgetError"]
+__all__ = ["Engine", "StepReport", "StateError", "initialize", "BudgetError"]

@@ -240,3 +240,33 @@ def test_budget_refused_up_front():
     model = MLP()
     with pytest.raises(offload.BudgetError, match="host budget"):
         offload.initialize(model, OffloadConfig(offload="cpu", device="cpu", host_budget="1KiB"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_and_resume_state_is_exact(mode, tmp_path):
+    batches = mlp_batches(10)
+    torch.manual_seed(0)
+    model_a = MLP()
+    model_b = copy.deepcopy(model_a)
+    model_c = copy.deepcopy(model_a)
+    eng_a, masters_a, losses_a, _ = engine_train(model_a, batches, mlp_loss, _cfg(mode, tmp_path / "a"))
+    eng_a.close()
+    eng_b, _, losses_b1, _ = engine_train(model_b, batches[:5], mlp_loss, _cfg(mode, tmp_path / "b"))
+    eng_b.save_state(str(tmp_path / "ckpt"))
+    eng_b.close()
+    eng_c = offload.initialize(model_c, _cfg(mode, tmp_path / "c"))
+    eng_c.load_state(str(tmp_path / "ckpt"))
+    losses_c = []
+    for batch in batches[5:]:
+        loss = mlp_loss(model_c, batch)
+        eng_c.backward(loss)
+        losses_c.append(loss.item())
+        eng_c.step()
+    assert losses_b1 + losses_c == losses_a
+    masters_c = eng_c.master_params()
+    assert all(torch.equal(masters_c[k], masters_a[k]) for k in masters_a)
+    other = offload.initialize(MLP(d=16), _cfg(mode, tmp_path / "d"))
+    with pytest.raises(offload.engine.StateError, match="different model"):
+        other.load_state(str(tmp_path / "ckpt"))
+    eng_c.close()
+    other.close()
