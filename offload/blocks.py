@@ -15,6 +15,7 @@ changing callers. For now a process always owns all of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -106,23 +107,49 @@ def group_blocks(model: nn.Module, block_list: str | None = None,
     return blocks, list_path
 
 
-def bind_views(block: Block, flat: torch.Tensor) -> None:
-    """Make every parameter of `block` a view into `flat` (same Parameter objects, so hooks,
-    user references and state_dict names survive; only their storage changes)."""
+def bind_views(block: Block, flat: torch.Tensor, model: nn.Module | None = None) -> None:
+    """Make every parameter of `block` a view into `flat`. Real parameters keep their identity
+    (hooks, user references and state_dict names survive; only their storage changes). A
+    parameter still on the meta device cannot take real storage in place, so it is replaced by
+    a new Parameter in every module that holds it (`model` is then required)."""
     for s, view in zip(block.slots, block.views(flat).values()):
-        s.param.data = view
+        if s.param.device.type != "meta":
+            s.param.data = view
+            continue
+        if model is None:
+            raise BlockError(f"parameter {s.name!r} is on meta; bind_views needs the model")
+        new = nn.Parameter(view, requires_grad=s.param.requires_grad)
+        for mod in model.modules():
+            for key, p in mod._parameters.items():
+                if p is s.param:
+                    mod._parameters[key] = new
+        s.param = new
 
 
-def gather_flat(block: Block, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The block's current parameter values, concatenated into one flat CPU tensor of `dtype`.
-    Reads one parameter at a time, so the peak extra memory is one block."""
+TensorFill = Callable[[dict[str, torch.Tensor]], None]
+
+
+def gather_flat(block: Block, dtype: torch.dtype, out: torch.Tensor | None = None,
+                source: TensorFill | None = None) -> torch.Tensor:
+    """The block's parameter values, concatenated into one flat CPU tensor of `dtype`. Real
+    parameters are copied one at a time (peak extra memory: one block); parameters on the meta
+    device are filled by `source` (a checkpoint reader's read_tensors_into, a seeded
+    initialiser), which receives {name: view of `out`} to fill in place."""
     if out is None:
         out = torch.empty(block.numel, dtype=dtype)
+    views = block.views(out)
+    missing = {}
     for s in block.slots:
         if s.param.device.type == "meta":
-            raise BlockError(f"parameter {s.name!r} is on the meta device; materialise the model "
-                             f"(or pass a checkpoint) before initialising the engine")
-        out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            missing[s.name] = views[s.name]
+        else:
+            views[s.name].copy_(s.param.detach())
+    if missing:
+        if source is None:
+            raise BlockError(f"parameter {next(iter(missing))!r} is on the meta device and no "
+                             f"source was given; pass source= (a checkpoint reader or an "
+                             f"initialiser) or materialise the model first")
+        source(missing)
     return out
 
 
@@ -130,8 +157,11 @@ def move_frozen_and_buffers(model: nn.Module, device: torch.device, dtype: torch
                             trainable: set[int]) -> None:
     """Frozen parameters go to the device in the compute dtype; buffers keep their dtype
     (rotary frequencies and the like must stay fp32) but move to the device."""
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if id(p) not in trainable:
+            if p.device.type == "meta":
+                raise BlockError(f"frozen parameter {name!r} is on the meta device; materialise "
+                                 f"frozen parameters before initialising the engine")
             p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else p.dtype)
     for mod in model.modules():
         for key, buf in list(mod._buffers.items()):

@@ -80,7 +80,7 @@ def _torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
 
 
 class Engine:
-    def __init__(self, model: nn.Module, cfg: OffloadConfig):
+    def __init__(self, model: nn.Module, cfg: OffloadConfig, source: Any = None):
         self.module = model
         self.cfg = cfg
         self.device = cfg.resolve_device()
@@ -109,13 +109,16 @@ class Engine:
         # memory while initialising is one block
         self.state = self._make_state()
         self.flat16: list[torch.Tensor] = []
+        # parameters on the meta device are filled from `source`: an object with
+        # read_tensors_into({name: tensor}) (a checkpoint reader) or such a callable
+        fill = getattr(source, "read_tensors_into", source)
         trainable = set()
         for bi, block in enumerate(self.blocks):
-            master = gather_flat(block, torch.float32)
+            master = gather_flat(block, torch.float32, source=fill)
             self.state.init_block(bi, master)
             flat = torch.empty(block.numel, dtype=self.dtype, device=self.device)
             flat.copy_(master)
-            bind_views(block, flat)
+            bind_views(block, flat, model)
             self.flat16.append(flat)
             self.account.add("device", "weights", flat.numel() * flat.element_size())
             trainable.update(id(s.param) for s in block.slots)
@@ -465,9 +468,11 @@ class Engine:
 
 
 def initialize(model: nn.Module, config: OffloadConfig | Mapping[str, Any] | None = None,
-               **overrides: Any) -> Engine:
+               *, source: Any = None, **overrides: Any) -> Engine:
     """Wrap `model` for offloaded training. `config` is an OffloadConfig, our flat dict, or a
-    DeepSpeed-style dict; keyword overrides replace single fields."""
+    DeepSpeed-style dict; keyword overrides replace single fields. A model built on the meta
+    device is materialised block by block from `source` (e.g. offload.models.CheckpointReader),
+    so the full fp32 model never exists in memory at once."""
     cfg = as_config(config)
     if overrides:
         unknown = sorted(set(overrides) - set(OffloadConfig.field_names()))
@@ -477,7 +482,7 @@ def initialize(model: nn.Module, config: OffloadConfig | Mapping[str, Any] | Non
         cfg = cfg.replace(**overrides)
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize needs an nn.Module, got {type(model).__name__}")
-    return Engine(model, cfg)
+    return Engine(model, cfg, source)
 
 
 __all__ = ["Engine", "StepReport", "StateError", "initialize", "BudgetError"]

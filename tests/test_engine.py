@@ -120,7 +120,7 @@ def test_mlp_matches_torch_adamw(mode, clip, accum, tmp_path):
 def _tiny_llama():
     from offload.models import build_model, preset
 
-    return build_model(preset("tiny"), device="cpu", seed=0)
+    return build_model(preset("tiny"), device="cpu", source=0)
 
 
 @pytest.mark.parametrize("mode", MODES)
