@@ -1,0 +1,20 @@
+"""Llama-family models (Llama 2/3, Mistral, Qwen2): config and presets, the decoder with its KV
+cache, meta building and block-by-block materialisation, Hugging Face checkpoint read/write."""
+
+from offload.models.config import (ARCHITECTURES, PRESETS, ConfigError, ModelConfig,
+                                   block_parameter_shapes, num_block_params, num_params,
+                                   parameter_shapes, preset)
+from offload.models.hf import (CheckpointError, CheckpointReader, TensorLocation, load_model,
+                               save_pretrained)
+from offload.models.llama import (DecoderLayer, KVCache, LlamaForCausalLM, build_model,
+                                  init_parameter_, kv_cache_bytes, materialize_block,
+                                  materialize_non_block, release_block, rope_frequencies)
+
+__all__ = [
+    "ARCHITECTURES", "PRESETS", "ConfigError", "ModelConfig", "block_parameter_shapes",
+    "num_block_params", "num_params", "parameter_shapes", "preset",
+    "CheckpointError", "CheckpointReader", "TensorLocation", "load_model", "save_pretrained",
+    "DecoderLayer", "KVCache", "LlamaForCausalLM", "build_model", "init_parameter_",
+    "kv_cache_bytes", "materialize_block", "materialize_non_block", "release_block",
+    "rope_frequencies",
+]

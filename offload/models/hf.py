@@ -1,0 +1,389 @@
+"""Hugging Face checkpoint directories: read them a block at a time, write them back.
+
+A checkpoint directory holds `config.json` and either one `model.safetensors` or shards
+`model-0000i-of-0000n.safetensors` listed by `model.safetensors.index.json` (`weight_map`:
+tensor name -> shard file). Reading goes through `nvme.format`: only headers are parsed when
+the directory is opened, and each tensor is then read with pread straight into the caller's
+buffer (the parameter's own storage when device and dtype match), so loading one block touches
+only that block's bytes and nothing is converted to another format. `location()` exposes each
+tensor's file and absolute byte offset for the streamer, which reads them with O_DIRECT itself.
+
+Writing produces what transformers writes: config.json, generation_config.json, shards of at
+most `max_shard_bytes` plus the index (or a single model.safetensors when everything fits),
+`__metadata__ = {"format": "pt"}`, tensors in their own dtype unless one is requested, and a
+tied lm_head left out. Shards are written one at a time, each atomically, and the index last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from nvme.format import FormatError, SafetensorsFile, fsync_dir, write_file
+from offload.models.config import (ConfigError, ModelConfig, block_parameter_shapes, block_prefix,
+                                   parameter_shapes)
+from offload.models.llama import LlamaForCausalLM, build_model
+
+CONFIG_NAME = "config.json"
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default shard size (5 GB)
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float64: "float64"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be used; the message names the file and tensor, says what
+    is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    name: str  # our (= Hugging Face CausalLM) name
+    stored_name: str  # the name inside the file
+    path: str  # the shard file
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the first byte in `path`
+    nbytes: int
+
+
+def _canonical_name(stored: str) -> str | None:
+    """Our name for a stored tensor name (they are the same: our modules mirror transformers'),
+    or None for tensors we deliberately ignore."""
+    if stored.endswith("rotary_emb.inv_freq"):  # old checkpoints saved this derived buffer
+        return None
+    return stored
+
+
+class CheckpointReader:
+    """An open checkpoint directory: its config, where every tensor lives, reads into buffers."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.config = self._read_config()
+        self.files: dict[str, SafetensorsFile] = {}
+        self.locations: dict[str, TensorLocation] = {}
+        self.unexpected: list[str] = []  # stored tensors that the model has no use for
+        try:
+            self._index()
+            self._check_against_config()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- opening ----------------------------------------------------------------------------
+    def _read_config(self) -> ModelConfig:
+        path = os.path.join(self.path, CONFIG_NAME)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"{self.path}: not a directory (expected a Hugging Face checkpoint "
+                                  f"directory with {CONFIG_NAME} and *.safetensors)")
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing; a checkpoint directory needs its config.json") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return ModelConfig.from_hf(raw, source=path)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+
+    def _open(self, filename: str, referrer: str) -> SafetensorsFile:
+        if os.path.basename(filename) != filename or filename in ("", ".", ".."):
+            raise CheckpointError(f"{referrer}: shard name {filename!r} must be a plain file name "
+                                  f"inside the checkpoint directory")
+        if filename not in self.files:
+            full = os.path.join(self.path, filename)
+            if not os.path.isfile(full):
+                raise CheckpointError(f"{referrer}: lists {filename!r}, which does not exist in "
+                                      f"{self.path} (incomplete download?)")
+            try:
+                self.files[filename] = SafetensorsFile(full)
+            except FormatError as e:
+                raise CheckpointError(f"{e} (re-download or re-save this shard)") from None
+        return self.files[filename]
+
+    def _index(self) -> None:
+        index_path = os.path.join(self.path, INDEX_NAME)
+        single_path = os.path.join(self.path, SINGLE_NAME)
+        stored_by_file: dict[str, list[str]] = {}
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index_path}: not a valid index, needs a 'weight_map' "
+                                      f"object ({e!r})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to files")
+            for stored, filename in weight_map.items():
+                if not isinstance(filename, str):
+                    raise CheckpointError(f"{index_path}: tensor {stored!r} maps to {filename!r}, not a file name")
+                stored_by_file.setdefault(filename, []).append(stored)
+            referrer = index_path
+        elif os.path.isfile(single_path):
+            stored_by_file[SINGLE_NAME] = list(self._open(SINGLE_NAME, single_path).tensors)
+            referrer = single_path
+        else:
+            others = sorted(f for f in os.listdir(self.path) if f.endswith((".bin", ".pt", ".pth")))
+            hint = (f" (found {', '.join(others)}: convert to safetensors, e.g. load with "
+                    f"transformers and save_pretrained)") if others else ""
+            raise CheckpointError(f"{self.path}: neither {SINGLE_NAME} nor {INDEX_NAME} found{hint}")
+        for filename, stored_names in stored_by_file.items():
+            shard = self._open(filename, referrer)
+            for stored in stored_names:
+                if stored not in shard.tensors:
+                    raise CheckpointError(f"{shard.path}: tensor {stored!r} is missing, but "
+                                          f"{referrer} says it is there (incomplete or mixed-up shards)")
+                name = _canonical_name(stored)
+                if name is None:
+                    continue
+                info = shard.tensors[stored]
+                self.locations[name] = TensorLocation(name, stored, shard.path, info.dtype,
+                                                      info.shape, info.offset, info.nbytes)
+
+    def _check_against_config(self) -> None:
+        cfg, config_path = self.config, os.path.join(self.path, CONFIG_NAME)
+        expected = parameter_shapes(cfg)
+        for name, shape in expected.items():
+            loc = self.locations.get(name)
+            if loc is None:
+                where = INDEX_NAME if SINGLE_NAME not in self.files else SINGLE_NAME
+                raise CheckpointError(f"{os.path.join(self.path, where)}: tensor {name!r} is missing; "
+                                      f"{config_path} ({cfg.architecture}, {cfg.num_hidden_layers} layers) "
+                                      f"needs it (truncated checkpoint or wrong config.json?)")
+            if loc.shape != shape:
+                raise CheckpointError(f"{loc.path}: tensor {loc.stored_name!r} has shape {list(loc.shape)}, "
+                                      f"but {config_path} implies {list(shape)} (config.json and weights "
+                                      f"do not belong together)")
+            if loc.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"{loc.path}: tensor {loc.stored_name!r} is {loc.dtype}; only "
+                                      f"float32/float16/bfloat16/float64 weights can be loaded "
+                                      f"(quantised checkpoints are not supported)")
+        self.unexpected = sorted(n for n in self.locations if n not in expected)
+
+    # ---- queries ----------------------------------------------------------------------------
+    def location(self, name: str) -> TensorLocation:
+        try:
+            return self.locations[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this checkpoint") from None
+
+    def block_tensor_names(self, layer: int) -> list[str]:
+        if not 0 <= layer < self.config.num_hidden_layers:
+            raise IndexError(f"layer {layer} out of range (model has {self.config.num_hidden_layers})")
+        return [block_prefix(layer) + n for n in block_parameter_shapes(self.config)]
+
+    def non_block_tensor_names(self) -> list[str]:
+        return [n for n in parameter_shapes(self.config) if not n.startswith("model.layers.")]
+
+    def block_locations(self, layer: int) -> list[TensorLocation]:
+        """The block's tensors in (file, offset) order: reading them in this order is sequential."""
+        return sorted((self.location(n) for n in self.block_tensor_names(layer)),
+                      key=lambda loc: (loc.path, loc.offset))
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read so far, over all shards (headers not counted)."""
+        return sum(f.bytes_read for f in self.files.values())
+
+    # ---- reads ------------------------------------------------------------------------------
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` (any device and float dtype, the tensor's shape) with tensor `name`.
+        Straight into `out` when it is a contiguous CPU tensor of the stored dtype; otherwise
+        through one CPU staging buffer and a converting copy."""
+        loc = self.location(name)
+        if tuple(out.shape) != loc.shape:
+            raise CheckpointError(f"{loc.path}: tensor {loc.stored_name!r} has shape {list(loc.shape)}, "
+                                  f"the destination has {list(out.shape)}")
+        shard = self.files[os.path.basename(loc.path)]
+        if out.device.type == "cpu" and out.dtype == loc.dtype and out.is_contiguous():
+            shard.read_into(loc.stored_name, out.detach())  # detach: a Parameter's own storage
+        else:
+            staging = torch.empty(loc.shape, dtype=loc.dtype)
+            shard.read_into(loc.stored_name, staging)
+            with torch.no_grad():
+                out.copy_(staging)
+        return out
+
+    def read_tensors_into(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Fill several tensors, reading in file order."""
+        for name in sorted(tensors, key=lambda n: (self.location(n).path, self.location(n).offset)):
+            self.read_into(name, tensors[name])
+
+    def read_block_into(self, layer: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Fill exactly the block's tensors (keys: checkpoint names, `block_tensor_names(layer)`)."""
+        names = set(self.block_tensor_names(layer))
+        if set(tensors) != names:
+            raise KeyError(f"layer {layer}: expected tensors {sorted(names)}, got {sorted(tensors)}")
+        self.read_tensors_into(tensors)
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        loc = self.location(name)
+        return self.read_into(name, torch.empty(loc.shape, dtype=dtype or loc.dtype))
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Build the checkpoint's model on meta and fill it block by block (one block in flight)."""
+    with CheckpointReader(path) as reader:
+        return build_model(reader.config, device, dtype, source=reader)
+
+
+# ---- writing ----------------------------------------------------------------------------------
+StateSource = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def _named_tensors(source: StateSource, expected: Mapping[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in checkpoint order, each checked against the config's shapes."""
+    if isinstance(source, nn.Module):
+        params = dict(source.named_parameters(remove_duplicate=False))
+        pairs: Iterable[tuple[str, torch.Tensor]] = ((n, params[n]) for n in expected if n in params)
+        given: set[str] | None = set(params)
+    elif isinstance(source, Mapping):
+        pairs, given = ((n, source[n]) for n in expected if n in source), set(source)
+    else:
+        pairs, given = source, None
+    seen: set[str] = set()
+    for name, t in pairs:
+        if name == "lm_head.weight" and name not in expected:
+            continue  # tied: the embedding already holds it
+        if name not in expected:
+            raise CheckpointError(f"save_pretrained: unexpected tensor {name!r} for this config")
+        if tuple(t.shape) != expected[name]:
+            raise CheckpointError(f"save_pretrained: tensor {name!r} has shape {list(t.shape)}, "
+                                  f"config implies {list(expected[name])}")
+        if t.device.type == "meta":
+            raise CheckpointError(f"save_pretrained: tensor {name!r} is on the meta device; "
+                                  f"materialise the model before saving")
+        seen.add(name)
+        yield name, t
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        what = "source" if given is None else "model/state"
+        raise CheckpointError(f"save_pretrained: {what} lacks {len(missing)} tensors, first {missing[0]!r}")
+
+
+def _write_json(path: str, obj: object) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: ModelConfig | None = None,
+                    dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Write a Hugging Face checkpoint directory that `transformers` loads.
+
+    source: our model, a state dict, or an iterable of (name, tensor) in checkpoint order
+    (embeddings, layers 0..L-1, norm, lm_head) so a streamer can hand over one block at a time.
+    dtype: convert every tensor to this dtype (default: keep each tensor's own).
+    Only one shard (<= max_shard_bytes) is held in memory at a time. Returns the files written."""
+    path = os.fspath(path)
+    if config is None:
+        if not isinstance(source, LlamaForCausalLM):
+            raise CheckpointError("save_pretrained: pass config= when saving a state dict or iterable")
+        config = source.config
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"save_pretrained: dtype {dtype} is not a float dtype")
+    os.makedirs(path, exist_ok=True)
+    previous_shards = _indexed_files(os.path.join(path, INDEX_NAME))
+    expected = parameter_shapes(config)
+    metadata = {"format": "pt"}
+    shards: list[tuple[str, list[str], int]] = []  # (temporary file, names, bytes)
+    current: dict[str, torch.Tensor] = {}
+    current_bytes, total_bytes, seen_dtype = 0, 0, None
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if current:
+            tmp = os.path.join(path, f".partial-{len(shards):05d}.safetensors")
+            write_file(tmp, current, metadata, atomic=True)
+            shards.append((tmp, list(current), current_bytes))
+            current, current_bytes = {}, 0
+
+    for name, t in _named_tensors(source, expected):
+        t = t.detach()
+        if t.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"save_pretrained: tensor {name!r} is {t.dtype}, not a float dtype")
+        t = t.to(device="cpu", dtype=dtype or t.dtype).contiguous()
+        seen_dtype = seen_dtype or t.dtype
+        nbytes = t.numel() * t.element_size()
+        if current and current_bytes + nbytes > max_shard_bytes:
+            flush()
+        current[name] = t
+        current_bytes += nbytes
+        total_bytes += nbytes
+    flush()
+
+    written: list[str] = []
+    index_path, single_path = os.path.join(path, INDEX_NAME), os.path.join(path, SINGLE_NAME)
+    if len(shards) == 1:
+        os.replace(shards[0][0], single_path)
+        written.append(single_path)
+        if os.path.exists(index_path):  # a leftover index would make loaders read old shards
+            os.unlink(index_path)
+    else:
+        weight_map: dict[str, str] = {}
+        for i, (tmp, names, _) in enumerate(shards, start=1):
+            final = os.path.join(path, _shard_name(i, len(shards)))
+            os.replace(tmp, final)
+            written.append(final)
+            weight_map.update({n: os.path.basename(final) for n in names})
+        if os.path.exists(single_path):
+            os.unlink(single_path)  # would shadow the index
+        _write_json(index_path, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
+        written.append(index_path)
+    dtype_name = _DTYPE_NAMES.get(seen_dtype) if seen_dtype is not None else None
+    config_path = os.path.join(path, CONFIG_NAME)
+    _write_json(config_path, config.to_hf(dtype=dtype_name))
+    written.append(config_path)
+    generation = {k: v for k, v in (("bos_token_id", config.bos_token_id),
+                                     ("eos_token_id", config.to_hf()["eos_token_id"]),
+                                     ("pad_token_id", config.pad_token_id)) if v is not None}
+    if generation:
+        gen_path = os.path.join(path, "generation_config.json")
+        _write_json(gen_path, generation)
+        written.append(gen_path)
+    for stale in previous_shards - {os.path.basename(w) for w in written}:
+        if os.path.isfile(os.path.join(path, stale)):  # shards of an earlier save, now unreferenced
+            os.unlink(os.path.join(path, stale))
+    fsync_dir(path)
+    return written
+
+
+def _indexed_files(index_path: str) -> set[str]:
+    """Plain file names an existing index refers to (empty when there is none or it is bad)."""
+    try:
+        with open(index_path) as f:
+            files = json.load(f)["weight_map"].values()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+    return {f for f in files if isinstance(f, str) and os.path.basename(f) == f}
+

@@ -1,0 +1,243 @@
+"""Model, config and preset tests. Numerics are checked against transformers' own models with
+the same weights (loaded by name: our names are theirs); counts against published sizes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from offload.models import (PRESETS, ConfigError, KVCache, LlamaForCausalLM, ModelConfig,
+                            build_model, kv_cache_bytes, materialize_block, materialize_non_block,
+                            num_params, parameter_shapes, preset, release_block)
+
+HF_CLASSES = {
+    "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "MistralForCausalLM": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "Qwen2ForCausalLM": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+SMALL = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def hf_pair(arch: str = "LlamaForCausalLM", seed: int = 0, **overrides):
+    """A transformers model with random weights (norms and biases too), and ours with the same."""
+    cfg_cls, model_cls = HF_CLASSES[arch]
+    torch.manual_seed(seed)
+    overrides = {k: dict(v) if isinstance(v, dict) else v for k, v in overrides.items()}
+    hf = model_cls(cfg_cls(**{**SMALL, **overrides})).eval()  # (copies: transformers edits dicts)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    cfg = ModelConfig.from_hf(json.loads(hf.config.to_json_string()) | {"architectures": [arch]})
+    ours = build_model(cfg, "cpu")
+    ours.load_state_dict(hf.state_dict(), strict=True)  # same names, or this raises
+    return hf, ours.eval()
+
+
+# ---- presets and counts ---------------------------------------------------------------------
+PUBLISHED_BILLIONS = {"1B": 1.236, "3B": 3.213, "7B": 6.738, "8B": 8.030, "13B": 13.016,
+                      "70B": 68.977, "mistral-7B": 7.242, "qwen2-0.5B": 0.494}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
+def test_preset_counts_match_published_and_meta_model(name: str) -> None:
+    cfg = preset(name)
+    assert num_params(cfg) / 1e9 == pytest.approx(PUBLISHED_BILLIONS[name], abs=0.005)
+    model = build_model(cfg)  # meta: nothing allocated
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
+    # state_dict names are the checkpoint names (tied lm_head aside)
+    names = [n for n, _ in model.named_parameters()]
+    assert names == list(parameter_shapes(cfg))
+
+
+def test_brief_counts_and_small_presets() -> None:
+    assert abs(num_params(preset("7B")) / 1e9 - 6.74) <= 0.005
+    assert abs(num_params(preset("70B")) / 1e9 - 68.98) <= 0.005
+    assert 1e5 < num_params(preset("tiny")) < 1e6
+    assert 80e6 < num_params(preset("small")) < 130e6
+    shape_70b = preset("70B")
+    assert (shape_70b.hidden_size, shape_70b.num_hidden_layers, shape_70b.num_attention_heads,
+            shape_70b.num_key_value_heads, shape_70b.intermediate_size) == (8192, 80, 64, 8, 28672)
+
+
+def test_70b_on_meta_peaks_below_500mb() -> None:
+    code = (
+        "import resource, torch\n"
+        "from offload.models import build_model, num_params, preset\n"
+        "cfg = preset('70B')\n"
+        "m = build_model(cfg, 'meta', torch.bfloat16)\n"
+        "n = sum(p.numel() for p in m.parameters())\n"
+        "assert n == num_params(cfg), n\n"
+        "print(n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"  # KiB on Linux
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    count, peak_kib = map(int, out.stdout.split())
+    assert count > 68e9
+    assert peak_kib * 1024 < 500e6, f"peak RSS {peak_kib / 1024:.0f} MiB"
+
+
+# ---- config ---------------------------------------------------------------------------------
+def test_config_round_trip_and_transformers_reads_ours() -> None:
+    cfg = preset("1B")
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.to_hf().items()
+                                                   if k not in ("architectures",)})
+    assert hf_cfg.rope_parameters["rope_type"] == "llama3"
+    assert hf_cfg.rope_parameters["rope_theta"] == 500000.0
+    assert hf_cfg.rope_parameters["factor"] == 32.0
+    assert (hf_cfg.num_key_value_heads, hf_cfg.head_dim, hf_cfg.tie_word_embeddings) == (8, 64, True)
+
+
+def test_config_reads_old_and_new_rope_spellings() -> None:
+    base = {"architectures": ["LlamaForCausalLM"], **SMALL, "max_position_embeddings": 64}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    old = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
+    old_type_key = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
+    new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    assert old == new == old_type_key
+    assert new.rope_theta == 5e5 and new.rope_scaling == {"rope_type": "llama3", **scaling}
+    plain = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert plain.rope_scaling is None and plain.rope_theta == 1e6
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel is not supported (supported: LlamaForCausalLM"),
+    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "missing ['factor']"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+])
+def test_config_errors_are_clear(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match="config.json") as err:
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **SMALL, **change})
+    assert message in str(err.value)
+
+
+def test_qwen2_sliding_layers_refused() -> None:
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        ModelConfig.from_hf({"architectures": ["Qwen2ForCausalLM"], **SMALL, "use_sliding_window": True,
+                             "sliding_window": 8, "max_window_layers": 1})
+
+
+# ---- numerics against transformers -----------------------------------------------------------
+@pytest.mark.parametrize("arch, overrides", [
+    ("LlamaForCausalLM", {}),
+    ("LlamaForCausalLM", {"tie_word_embeddings": True, "max_position_embeddings": 64, "rope_theta": 5e5,
+                          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    ("MistralForCausalLM", {"sliding_window": 6}),
+])
+def test_kv_cache_decode_matches_transformers_full_forward(arch: str, overrides: dict) -> None:
+    hf, ours = hf_pair(arch, **overrides)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 20))
+    with torch.no_grad():
+        ref = hf(ids).logits  # [2, 20, V]
+        cache = KVCache(ours.config, 2, 24)
+        prefill = ours(ids[:, :12], kv_cache=cache)
+        steps = [ours(ids[:, t:t + 1], kv_cache=cache) for t in range(12, 16)]
+        chunk = ours(ids[:, 16:], kv_cache=cache)  # several new tokens on top of a cache
+    got = torch.cat([prefill, *steps, chunk], dim=1)
+    assert cache.length == 20
+    assert (got - ref).abs().max().item() <= 1e-5
+
+
+def test_left_padded_batch_matches_transformers_and_unpadded_rows() -> None:
+    hf, ours = hf_pair("LlamaForCausalLM")
+    ids = torch.randint(3, SMALL["vocab_size"], (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0  # row 1 is a 6-token prompt, left-padded
+    ids[1, :4] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, position_ids=positions).logits
+        got = ours(ids, attention_mask=mask)  # positions derived from the mask
+        alone = ours(ids[1:, 4:])  # the short prompt without padding
+        # decode 3 tokens on top of a padded prefill
+        cache = KVCache(ours.config, 2, 16)
+        ours(ids, attention_mask=mask, kv_cache=cache)
+        nxt = torch.randint(3, SMALL["vocab_size"], (2, 3))
+        full_ids, full_mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1)
+        step_logits = [ours(nxt[:, t:t + 1], attention_mask=full_mask[:, :11 + t], kv_cache=cache)
+                       for t in range(3)]
+        ref_full = hf(full_ids, attention_mask=full_mask,
+                      position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    real = mask.bool()
+    assert (got[real] - ref[real]).abs().max().item() <= 1e-5
+    assert (got[1, 4:] - alone[0]).abs().max().item() <= 1e-5
+    assert (torch.cat(step_logits, 1) - ref_full[:, 10:]).abs().max().item() <= 1e-5
+
+
+def test_last_only_and_sensitivity() -> None:
+    hf, ours = hf_pair("LlamaForCausalLM")
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
+    with torch.no_grad():
+        full = ours(ids)
+        last = ours(ids, last_only=True)
+        ref = hf(ids).logits
+        # The comparison can fail: one changed weight moves the logits far beyond 1e-5.
+        ours.model.layers[1].mlp.up_proj.weight[0, 0] += 0.5
+        perturbed = ours(ids)
+    assert last.shape == (2, 1, SMALL["vocab_size"])
+    assert (last - full[:, -1:]).abs().max().item() <= 1e-6  # same math, other matmul shape
+    assert (full - ref).abs().max().item() <= 1e-5
+    assert (perturbed - ref).abs().max().item() > 1e-3
+
+
+def test_kv_cache_bytes_matches_allocation() -> None:
+    cfg = preset("tiny")
+    cache = KVCache(cfg, 3, 40, dtype=torch.bfloat16)
+    assert kv_cache_bytes(cfg, 3, 40, torch.bfloat16) == cache.nbytes == 2 * 4 * 3 * 2 * 40 * 16 * 2
+    assert kv_cache_bytes(preset("70B"), 1, 4096, torch.float16) == 2 * 80 * 8 * 4096 * 128 * 2
+
+
+# ---- building and materialising -----------------------------------------------------------------
+def test_block_materialised_alone_equals_whole_model_build() -> None:
+    cfg = preset("tiny")
+    whole = build_model(cfg, "cpu", source=7)
+    alone = build_model(cfg)  # meta
+    materialize_block(alone, 2, "cpu", torch.float32, source=7)
+    materialize_non_block(alone, "cpu", torch.float32, source=7)
+    for (n1, p1), (n2, p2) in zip(whole.model.layers[2].named_parameters(),
+                                  alone.model.layers[2].named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert torch.equal(whole.model.embed_tokens.weight, alone.model.embed_tokens.weight)
+    assert alone.model.layers[1].self_attn.q_proj.weight.is_meta
+    other = build_model(cfg, "cpu", source=8)
+    assert not torch.equal(other.model.layers[2].mlp.up_proj.weight, whole.model.layers[2].mlp.up_proj.weight)
+    std = whole.model.layers[0].mlp.down_proj.weight.std().item()
+    assert abs(std - cfg.initializer_range) < 0.002
+    assert torch.equal(whole.model.norm.weight, torch.ones(cfg.hidden_size))
+    release_block(whole, 0)
+    assert whole.model.layers[0].mlp.up_proj.weight.is_meta
+
+
+def test_tied_embedding_stays_tied_after_materialising() -> None:
+    cfg = preset("tiny").replace(tie_word_embeddings=True)
+    model = build_model(cfg, "cpu", torch.bfloat16, source=1)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
+    logits = model(torch.randint(0, cfg.vocab_size, (1, 5)))
+    assert logits.shape == (1, 5, cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_model_is_blocks_in_one_module_list() -> None:
+    model = build_model(preset("7B"))
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    assert biggest is model.model.layers and len(biggest) == 32
+    assert isinstance(model, LlamaForCausalLM)
+    assert math.isclose(sum(p.numel() for p in biggest.parameters()) / 1e9, 6.476, abs_tol=0.001)
