@@ -275,3 +275,20 @@ def test_config_json_written_loads_in_transformers_with_both_rope_forms(tmp_path
     ids = torch.randint(0, SMALL["vocab_size"], (1, 20))
     with torch.no_grad():
         assert max_diff(back(ids).logits, model(ids)) <= 1e-5
+
+
+def test_save_from_block_stream_and_refusals(tmp_path) -> None:
+    """A streamer hands (name, tensor) pairs one at a time; a bad stream leaves no files."""
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **SMALL})
+    model = build_model(cfg, "cpu", source=5)
+    pairs = list(model.named_parameters())
+    save_pretrained(iter(pairs), tmp_path / "ok", config=cfg, dtype=torch.float16, max_shard_bytes=30_000)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ok", dtype="auto")
+    assert back.lm_head.weight.dtype == torch.float16
+    assert torch.equal(back.lm_head.weight, model.lm_head.weight.half())
+    with pytest.raises(CheckpointError, match="lacks 1 tensors, first 'model.norm.weight'"):
+        save_pretrained(iter([p for p in pairs if p[0] != "model.norm.weight"]), tmp_path / "bad",
+                        config=cfg, max_shard_bytes=30_000)
+    assert os.listdir(tmp_path / "bad") == []
+    with pytest.raises(CheckpointError, match="'model.norm.weight' has shape \\[3\\]"):
+        save_pretrained({**dict(pairs), "model.norm.weight": torch.ones(3)}, tmp_path / "bad", config=cfg)

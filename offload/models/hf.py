@@ -268,6 +268,8 @@ def _named_tensors(source: StateSource, expected: Mapping[str, tuple[int, ...]])
             continue  # tied: the embedding already holds it
         if name not in expected:
             raise CheckpointError(f"save_pretrained: unexpected tensor {name!r} for this config")
+        if name in seen:
+            raise CheckpointError(f"save_pretrained: tensor {name!r} given twice")
         if tuple(t.shape) != expected[name]:
             raise CheckpointError(f"save_pretrained: tensor {name!r} has shape {list(t.shape)}, "
                                   f"config implies {list(expected[name])}")
@@ -328,19 +330,25 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
             shards.append((tmp, list(current), current_bytes))
             current, current_bytes = {}, 0
 
-    for name, t in _named_tensors(source, expected):
-        t = t.detach()
-        if t.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"save_pretrained: tensor {name!r} is {t.dtype}, not a float dtype")
-        t = t.to(device="cpu", dtype=dtype or t.dtype).contiguous()
-        seen_dtype = seen_dtype or t.dtype
-        nbytes = t.numel() * t.element_size()
-        if current and current_bytes + nbytes > max_shard_bytes:
-            flush()
-        current[name] = t
-        current_bytes += nbytes
-        total_bytes += nbytes
-    flush()
+    try:
+        for name, t in _named_tensors(source, expected):
+            t = t.detach()
+            if t.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"save_pretrained: tensor {name!r} is {t.dtype}, not a float dtype")
+            t = t.to(device="cpu", dtype=dtype or t.dtype).contiguous()
+            seen_dtype = seen_dtype or t.dtype
+            nbytes = t.numel() * t.element_size()
+            if current and current_bytes + nbytes > max_shard_bytes:
+                flush()
+            current[name] = t
+            current_bytes += nbytes
+            total_bytes += nbytes
+        flush()
+    except BaseException:
+        for tmp, _, _ in shards:  # nothing final was touched yet: leave the directory as it was
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise
 
     written: list[str] = []
     index_path, single_path = os.path.join(path, INDEX_NAME), os.path.join(path, SINGLE_NAME)
