@@ -1,0 +1,354 @@
+"""Inference placement planner: where each block's weights live, decided before anything loads.
+
+Inputs are sizes only (block bytes, the non-block weights, KV cache and workspace per sequence)
+and budgets (device and host bytes), so a 70B plan costs nothing to make and is printed before a
+byte is read. Two modes:
+
+  latency     fill the device with blocks first, then host RAM, then NVMe: fewest bytes
+              streamed per step, best for batch 1;
+  throughput  keep device memory for the KV cache and the batch: blocks go to host RAM, then
+              NVMe; the plan reports the largest batch that fits at this context.
+
+Resident blocks are spread evenly through the layer order rather than packed at the front:
+while a resident block computes, the stream keeps filling slots, so interleaving them hides
+more of the transfer time than one long resident run followed by a long streamed one.
+
+On a CPU device the device *is* host RAM: there is one pool (the smaller of the two budgets),
+blocks are resident ("device") or streamed from NVMe; "cpu" only appears when forced.
+
+A plan that does not fit raises `BudgetError` saying what would (a batch size, a budget, a flag).
+An accepted plan's device need includes every allocation of the run: resident blocks, slots,
+KV cache and an activation workspace estimate with margin (`workspace_bytes`).
+
+The training planner (a later issue) will live in its own module and reuse `Links` and
+`spread`; nothing here is specific to generation except the workspace estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nvme.io import ALIGN, IOEngine, aligned_empty
+from offload.config import format_bytes
+from offload.tiers import BudgetError
+
+MODES = ("latency", "throughput")
+FORCED = ("device", "cpu", "nvme")
+WORKSPACE_FIXED_BYTES = 64 << 20  # allocator slack, rotary tables, small temporaries
+
+
+def workspace_bytes(hidden: int, intermediate: int, heads: int, vocab: int, context: int,
+                    batch: int, itemsize: int) -> int:
+    """Peak activation bytes of one forward over `batch` sequences of `context` tokens (prefill
+    is the peak): a few hidden-sized tensors, the MLP's intermediate tensors, the attention
+    scores SDPA's math path may materialise, and last-position logits in fp32. 25% margin."""
+    tokens = batch * context
+    hidden_bytes = tokens * (6 * hidden + 3 * intermediate) * itemsize
+    scores = batch * heads * context * context * max(itemsize, 4)
+    logits = batch * vocab * 4 * 2
+    return int(1.25 * (hidden_bytes + scores + logits))
+
+
+def spread(count: int, total: int) -> list[int]:
+    """`count` indices out of range(total), evenly spaced."""
+    if count <= 0:
+        return []
+    return sorted({min(total - 1, int((j + 0.5) * total / count)) for j in range(count)})
+
+
+@dataclass
+class Links:
+    """Measured link bandwidths in GB/s (1e9 B/s)."""
+    h2d_gbps: float  # host -> device copy (on CPU: memcpy)
+    disk_gbps: float  # checkpoint read, O_DIRECT when the filesystem allows
+    disk_direct: bool = True
+
+
+@dataclass
+class InferencePlan:
+    residency: list[str]
+    mode: str
+    batch_size: int
+    context: int
+    block_bytes: list[int]  # compute dtype
+    stored_block_bytes: list[int]  # checkpoint dtype (what a disk read moves)
+    non_block_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    slot_count: int
+    slot_bytes: int  # all slots together
+    staging_bytes: int
+    device_need: int
+    host_need: int
+    device_budget: int
+    host_budget: int
+    device_is_host: bool
+    zero_copy_host: bool
+    max_batch: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, tier: str) -> int:
+        return sum(r == tier for r in self.residency)
+
+    def tier_bytes(self, tier: str) -> int:
+        return sum(b for b, r in zip(self.block_bytes, self.residency) if r == tier)
+
+    def streamed_per_step(self) -> dict[str, int]:
+        """Bytes moved per forward step over each link: 'h2d' (host-tier blocks copied in) and
+        'disk' (NVMe blocks read, in the checkpoint's dtype)."""
+        h2d = 0 if self.zero_copy_host else self.tier_bytes("cpu")
+        disk = sum(s for s, r in zip(self.stored_block_bytes, self.residency) if r == "nvme")
+        return {"h2d": h2d, "disk": disk}
+
+    def floor_s_per_step(self, links: Links) -> float:
+        """Transfer time floor of one decode step: sum over links of bytes / bandwidth. (On a
+        GPU the NVMe bytes also cross PCIe, overlapped with the read and much faster, so that
+        leg is not added.)"""
+        s = self.streamed_per_step()
+        out = 0.0
+        if s["h2d"]:
+            out += s["h2d"] / (links.h2d_gbps * 1e9)
+        if s["disk"]:
+            out += s["disk"] / (links.disk_gbps * 1e9)
+        return out
+
+    def describe(self, links: Links | None = None) -> str:
+        dev = "device (= host RAM)" if self.device_is_host else "device"
+        lines = [f"plan: {self.mode} mode, batch {self.batch_size}, context {self.context} tokens",
+                 f"  {dev}: {self.count('device')} blocks {format_bytes(self.tier_bytes('device'))}"
+                 f" + non-block {format_bytes(self.non_block_bytes)} + KV cache "
+                 f"{format_bytes(self.kv_bytes)} + workspace {format_bytes(self.workspace_bytes)}"
+                 f" + {self.slot_count} slots {format_bytes(self.slot_bytes)}"
+                 f" = {format_bytes(self.device_need)} of {format_bytes(self.device_budget)}"]
+        host_extra = f" + staging {format_bytes(self.staging_bytes)}" if self.staging_bytes else ""
+        if self.device_is_host:
+            lines.append(f"  host:   {self.count('cpu')} blocks {format_bytes(self.tier_bytes('cpu'))}"
+                         f"{host_extra} (same pool as the device)")
+        else:
+            lines.append(f"  host:   {self.count('cpu')} blocks {format_bytes(self.tier_bytes('cpu'))}"
+                         f"{host_extra} = {format_bytes(self.host_need)} of "
+                         f"{format_bytes(self.host_budget)}")
+        s = self.streamed_per_step()
+        lines.append(f"  nvme:   {self.count('nvme')} blocks, {format_bytes(s['disk'])} read per step "
+                     f"straight from the checkpoint")
+        if links is not None:
+            floor = self.floor_s_per_step(links)
+            if floor > 0:
+                lines.append(f"  floor:  {floor:.3f} s per step = {floor / self.batch_size:.3f} s per token "
+                             f"(h2d {format_bytes(s['h2d'])} at {links.h2d_gbps:.2f} GB/s, disk "
+                             f"{format_bytes(s['disk'])} at {links.disk_gbps:.2f} GB/s)")
+            else:
+                lines.append("  floor:  nothing streamed per step (compute-bound)")
+        if self.max_batch is not None:
+            lines.append(f"  largest batch that fits at this context: {self.max_batch}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non_block_bytes: int,
+                   batch_size: int, context: int, kv_bytes_per_seq: int, workspace_per_seq: int,
+                   device_budget: int, host_budget: int, device_is_host: bool,
+                   device_budget_flag: str = "--gpu-memory", host_budget_flag: str = "--cpu-memory",
+                   mode: str = "latency", force: str | None = None, host_ahead: int = 1,
+                   nvme_ahead: int = 2, staging_needed: bool = True) -> InferencePlan:
+    """Place every block. `staging_needed`: NVMe reads go through host staging (always on a GPU;
+    on CPU only when the checkpoint dtype differs from the compute dtype)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    if force is not None and force not in FORCED:
+        raise ValueError(f"force must be one of {FORCED}")
+    n = len(block_bytes)
+    biggest, biggest_stored = max(block_bytes), max(stored_block_bytes)
+    depth = {"cpu": host_ahead, "nvme": nvme_ahead}
+    zero_copy = device_is_host
+    fill_mode = mode
+    if device_is_host:  # one pool: the smaller budget governs, and both modes fill it alike
+        device_budget = host_budget = min(device_budget, host_budget)
+        device_budget_flag = host_budget_flag
+        fill_mode = "latency"
+
+    def fixed(batch: int) -> int:
+        return non_block_bytes + batch * (kv_bytes_per_seq + workspace_per_seq) + WORKSPACE_FIXED_BYTES
+
+    def slots_for(res: list[str]) -> tuple[int, int]:
+        streamed = [i for i, r in enumerate(res) if r == "nvme" or (r == "cpu" and not zero_copy)]
+        if not streamed:
+            return 0, 0
+        count = 1 + max(depth[res[i]] for i in streamed)
+        return count, count * (max(block_bytes[i] for i in streamed) + (ALIGN if device_is_host else 0))
+
+    def staging_for(res: list[str]) -> int:
+        if "nvme" not in res or not staging_needed:
+            return 0
+        return nvme_ahead * (max(stored_block_bytes[i] for i, r in enumerate(res) if r == "nvme") + ALIGN)
+
+    def needs(res: list[str], batch: int) -> tuple[int, int, int, int]:
+        count, slot_b = slots_for(res)
+        stage = staging_for(res)
+        dev = fixed(batch) + slot_b + sum(b for b, r in zip(block_bytes, res) if r == "device")
+        host = stage + sum(b for b, r in zip(block_bytes, res) if r == "cpu")
+        if device_is_host:
+            dev, host = dev + host, dev + host
+        return dev, host, count, slot_b
+
+    def max_batch_for(res: list[str]) -> int:
+        dev, _, _, _ = needs(res, 0)
+        per_seq = kv_bytes_per_seq + workspace_per_seq
+        return max(0, (device_budget - dev) // per_seq) if per_seq else 0
+
+    # ---- place ---------------------------------------------------------------------------------
+    if force is not None:
+        res = [force] * n
+    else:
+        # Reserve streaming room (slots, staging) unless everything ends up resident.
+        all_dev = ["device"] * n
+        if fill_mode == "latency" and needs(all_dev, batch_size)[0] <= device_budget:
+            res = all_dev
+        else:
+            streaming = ["nvme"] * n
+            dev_room = device_budget - needs(streaming, batch_size)[0]
+            k_dev = 0
+            if fill_mode == "latency":
+                while k_dev < n and sum(sorted(block_bytes)[:k_dev + 1]) <= dev_room:
+                    k_dev += 1
+            res = ["nvme"] * n
+            dev_idx = spread(k_dev, n)
+            for i in dev_idx:
+                res[i] = "device"
+            if not device_is_host:
+                rest = [i for i in range(n) if res[i] != "device"]
+                rest_bytes = [block_bytes[i] for i in rest]
+                if sum(rest_bytes) <= host_budget:
+                    k_host = len(rest)  # nothing left for NVMe: no staging to reserve
+                else:
+                    host_room = host_budget - staging_for(["nvme"])
+                    k_host = 0
+                    while k_host < len(rest) and sum(sorted(rest_bytes)[:k_host + 1]) <= host_room:
+                        k_host += 1
+                for j in spread(k_host, len(rest)):
+                    res[rest[j]] = "cpu"
+
+    dev_need, host_need, slot_count, slot_b = needs(res, batch_size)
+    plan = InferencePlan(residency=res, mode=mode, batch_size=batch_size, context=context,
+                         block_bytes=list(block_bytes), stored_block_bytes=list(stored_block_bytes),
+                         non_block_bytes=non_block_bytes, kv_bytes=batch_size * kv_bytes_per_seq,
+                         workspace_bytes=batch_size * workspace_per_seq + WORKSPACE_FIXED_BYTES,
+                         slot_count=slot_count, slot_bytes=slot_b, staging_bytes=staging_for(res),
+                         device_need=dev_need, host_need=host_need, device_budget=device_budget,
+                         host_budget=host_budget, device_is_host=device_is_host, zero_copy_host=zero_copy)
+    if mode == "throughput":
+        plan.max_batch = max_batch_for(res)
+    if device_is_host and force == "cpu":
+        plan.notes.append("on a CPU device host-tier blocks are used in place (no copy)")
+    if device_is_host and mode == "throughput":
+        plan.notes.append("on a CPU device the KV cache and the weights share host RAM: "
+                          "throughput mode places blocks like latency mode")
+    # The leanest way to run on the device: every block streamed, from host RAM when it all fits
+    # there (fewer slots), else from NVMe.
+    leanest = ["nvme"] * n
+    if not device_is_host and sum(block_bytes) <= host_budget:
+        leanest = ["cpu"] * n
+    _check(plan, force, device_budget_flag, host_budget_flag, biggest, leanest, max_batch_for, needs)
+    return plan
+
+
+def _check(plan: InferencePlan, force: str | None, dev_flag: str, host_flag: str, biggest: int,
+           streaming: list[str], max_batch_for, needs) -> None:
+    """Refuse a plan that does not fit, naming what would."""
+    min_dev = needs(streaming, plan.batch_size)[0]
+    where = "host RAM" if plan.device_is_host else "the device"
+    if plan.device_need > plan.device_budget:
+        if force == "device" or force == "cpu" and plan.device_is_host:
+            raise BudgetError(f"--weights {force}: needs {format_bytes(plan.device_need)} in {where}, "
+                              f"more than the {format_bytes(plan.device_budget)} budget; use "
+                              f"--weights auto (stream what does not fit) or raise {dev_flag}")
+        if plan.device_budget < biggest:
+            raise BudgetError(f"the {where} budget of {format_bytes(plan.device_budget)} is below one "
+                              f"block ({format_bytes(biggest)}); at least "
+                              f"{format_bytes(min_dev)} is needed: raise {dev_flag}")
+        hints = []
+        fits = max_batch_for(streaming)
+        if fits >= 1 and fits < plan.batch_size:
+            hints.append(f"--batch-size {fits}")
+        hints.append(f"{dev_flag} {format_bytes(min_dev)} or more")
+        hints.append("fewer --max-new-tokens or shorter prompts (smaller KV cache)")
+        raise BudgetError(f"even streaming every block needs {format_bytes(min_dev)} in {where} "
+                          f"(non-block weights {format_bytes(plan.non_block_bytes)}, KV cache "
+                          f"{format_bytes(plan.kv_bytes)}, workspace {format_bytes(plan.workspace_bytes)}, "
+                          f"{plan.slot_count} slots {format_bytes(plan.slot_bytes)}), more than the "
+                          f"{format_bytes(plan.device_budget)} budget; try " + ", or ".join(hints))
+    if not plan.device_is_host and plan.host_need > plan.host_budget:
+        if force == "cpu":
+            raise BudgetError(f"--weights cpu: needs {format_bytes(plan.host_need)} of host RAM, more "
+                              f"than the {format_bytes(plan.host_budget)} budget; use --weights auto "
+                              f"or --weights nvme, or raise {host_flag}")
+        raise BudgetError(f"NVMe streaming needs {format_bytes(plan.host_need)} of pinned host staging, "
+                          f"more than the host budget of {format_bytes(plan.host_budget)}; raise "
+                          f"{host_flag} to at least {format_bytes(plan.host_need)}")
+
+
+# ---- link probe -----------------------------------------------------------------------------------
+def measure_links(device: torch.device, read_paths: list[str], seconds: float = 1.0,
+                  io: IOEngine | None = None, buffer_bytes: int = 64 << 20) -> Links:
+    """~`seconds` of measurement: host->device copy bandwidth (pinned source on CUDA; memcpy on
+    CPU) and disk read bandwidth from `read_paths` (the checkpoint shards we will stream from,
+    O_DIRECT so the page cache cannot flatter it)."""
+    h2d = _probe_copy(device, seconds / 3, buffer_bytes if device.type == "cuda" else buffer_bytes // 2)
+    disk, direct = _probe_disk(read_paths, 2 * seconds / 3, io, buffer_bytes)
+    return Links(h2d_gbps=h2d, disk_gbps=disk, disk_direct=direct)
+
+
+def _probe_copy(device: torch.device, seconds: float, nbytes: int) -> float:
+    cuda = device.type == "cuda"
+    src = aligned_empty(nbytes, pin=cuda)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src)  # warm-up (first touch, lazy CUDA init)
+    done, t0 = 0, time.perf_counter()
+    while True:
+        if cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            stop.record()
+            stop.synchronize()  # start-up probe only: waits on its own event
+        else:
+            dst.copy_(src)
+        done += nbytes
+        if time.perf_counter() - t0 >= seconds:
+            break
+    return done / (time.perf_counter() - t0) / 1e9
+
+
+def _probe_disk(paths: list[str], seconds: float, io: IOEngine | None,
+                nbytes: int) -> tuple[float, bool]:
+    paths = [p for p in paths if os.path.isfile(p) and os.path.getsize(p) >= ALIGN]
+    if not paths:
+        return 0.0, False
+    own = io is None
+    engine = io or IOEngine()
+    try:
+        direct = engine.direct_supported(paths[0])
+        buf = aligned_empty(nbytes)
+        # Aligned offsets walking through the files, so consecutive reads are not the same bytes.
+        spans = [(p, os.path.getsize(p) // ALIGN * ALIGN) for p in paths]
+        done, t0, k = 0, time.perf_counter(), 0
+        while True:
+            path, size = spans[k % len(spans)]
+            count = math.ceil(size / nbytes)
+            off = (k // len(spans) % count) * nbytes
+            n = min(nbytes, size - off)
+            engine.submit_read(path, off, buf[:n]).wait()
+            done += n
+            k += 1
+            if time.perf_counter() - t0 >= seconds:
+                break
+        return done / (time.perf_counter() - t0) / 1e9, direct
+    finally:
+        if own:
+            engine.close()

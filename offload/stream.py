@@ -1,0 +1,610 @@
+"""Block streamer: run a model whose blocks do not all fit on the device.
+
+Any model whose transformer layers sit in one `nn.ModuleList` can be streamed. Each block has an
+explicit *residency*:
+
+  device  its weights live on the device for the whole run (one flat buffer, bound once);
+  cpu     its weights live in host RAM (pinned when CUDA is present) and are copied into a
+          device slot before the block runs;
+  nvme    its weights are read from the checkpoint's own safetensors shards (O_DIRECT where
+          the layout allows) into a slot, or into pinned staging and then a slot on CUDA.
+
+A few fixed device *slots*, sized for the largest streamed block, are allocated once; a streamed
+block is one flat buffer, so bringing it in is one large copy (or one read per contiguous run of
+the file) and binding it is making its parameters views into the slot (`offload.blocks`).
+
+The mechanism is explicit so training can reuse it with its own order (forward, then backward
+in reverse, recompute): `fetch(i)` starts bringing block i in, `wait(i)` makes it usable by the
+compute stream and binds its parameters, `release(i)` gives its slot back, `prefetch(after=i)`
+fetches the next blocks of the `schedule` within the per-tier depth. `attach()` installs forward
+hooks that call these in the usual order (fetch, prefetch, wait / run / release); the schedule
+is cyclic by default, so the last block of one forward already prefetches the first blocks of
+the next decode step.
+
+Ordering on CUDA (not yet verified on a GPU; the CPU path runs the same state machine):
+  * every copy into a slot is issued on one side `copy_stream`;
+  * before overwriting a slot the copy stream waits on the slot's `free` event, recorded on the
+    compute stream when the previous owner was released, so kernels still reading the old block
+    finish first -- a GPU-side wait, the host never blocks on it;
+  * `wait(i)` makes the compute stream wait on the slot's `ready` event, recorded after the copy
+    -- again GPU-side; the host only waits for the stage thread to have *issued* the copy;
+  * pinned staging is reused only after its previous host->device copy is done: the stage thread
+    synchronises on that staging buffer's own `done` event (one event, never the whole device).
+No call here synchronises the device or a whole stream.
+
+On a CPU device, the device *is* host RAM: cpu-tier blocks are bound in place (no copy) unless
+`zero_copy_host=False` (the tests use that to exercise the slot path the GPU uses), and NVMe
+blocks whose stored dtype equals the compute dtype are read straight into the slot.
+
+A `fetch_delay_s` injected into every fetch (a sleep in the stage thread, plus a GPU sleep on the
+copy stream under CUDA) makes a missing wait show up as wrong output in tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from nvme.io import ALIGN, IOEngine, aligned_empty
+from offload.blocks import Block, ParamSlot, bind_views
+
+RESIDENCIES = ("device", "cpu", "nvme")
+
+
+class StreamError(RuntimeError):
+    """The streamer cannot do what was asked (bad residency, missing source, no free slot)."""
+
+
+@dataclass(frozen=True)
+class TensorRange:
+    """Where one parameter's bytes are stored: a byte range of a (safetensors) file."""
+    name: str  # parameter name relative to the block module, e.g. "self_attn.q_proj.weight"
+    path: str
+    offset: int  # absolute byte offset of the first byte in `path`
+    nbytes: int
+    dtype: torch.dtype  # stored dtype (converted to the compute dtype after the read)
+
+
+@dataclass
+class StreamStats:
+    """Counters since construction (take deltas with `copy()` for per-token figures)."""
+    served_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESIDENCIES, 0))
+    moved_bytes: dict[str, int] = field(default_factory=lambda: {"disk": 0, "h2d": 0})
+    fetches: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
+    wait_s: float = 0.0  # host time compute spent blocked in wait() on unfinished fetches
+    stage_busy_s: float = 0.0  # time the stage thread spent reading/copying
+
+    def copy(self) -> "StreamStats":
+        return StreamStats(dict(self.served_bytes), dict(self.moved_bytes), dict(self.fetches),
+                           self.wait_s, self.stage_busy_s)
+
+    def minus(self, earlier: "StreamStats") -> "StreamStats":
+        return StreamStats({k: v - earlier.served_bytes[k] for k, v in self.served_bytes.items()},
+                           {k: v - earlier.moved_bytes[k] for k, v in self.moved_bytes.items()},
+                           {k: v - earlier.fetches[k] for k, v in self.fetches.items()},
+                           self.wait_s - earlier.wait_s, self.stage_busy_s - earlier.stage_busy_s)
+
+
+@dataclass
+class _Run:
+    """One contiguous byte range of a file, landing at `buf_offset` of the block's stored bytes."""
+    path: str
+    offset: int
+    nbytes: int
+    buf_offset: int
+
+
+class _Slot:
+    def __init__(self, raw: torch.Tensor, cuda: bool):
+        self.raw = raw  # uint8 on the device, max streamed block bytes (+ALIGN on CPU)
+        self.owner: int | None = None
+        self.free = torch.cuda.Event() if cuda else None  # compute done with the previous owner
+        self.free_recorded = False
+        self.ready = torch.cuda.Event() if cuda else None  # copy of the current owner done
+
+
+class _Staging:
+    def __init__(self, raw: torch.Tensor, cuda: bool):
+        self.raw = raw  # uint8 host buffer (pinned on CUDA), 4 KiB aligned
+        self.done = torch.cuda.Event() if cuda else None  # its last host->device copy finished
+        self.done_recorded = False
+
+
+def _aligned_view(raw: torch.Tensor, shift: int, nbytes: int) -> torch.Tensor:
+    return raw[shift:shift + nbytes]
+
+
+class BlockStreamer:
+    """Residency, slots, fetch/wait/release and a prefetch schedule for the blocks of `layers`.
+
+    layers: the model's ModuleList of blocks. residency: one of RESIDENCIES per block.
+    files: per block, where each of its parameters is stored (required for nvme blocks; for the
+    others, when given, weights are read from there, else taken from the module's parameters).
+    host_ahead / nvme_ahead: how many streamed blocks ahead of the running one may be in flight.
+    """
+
+    def __init__(self, layers: nn.ModuleList, residency: Sequence[str], *,
+                 device: torch.device | str, dtype: torch.dtype,
+                 files: Sequence[Sequence[TensorRange] | None] | None = None,
+                 host_ahead: int = 1, nvme_ahead: int = 2, io: IOEngine | None = None,
+                 pin: bool = True, zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
+                 progress: Callable[[int], None] | None = None):
+        self.layers, self.device, self.dtype = layers, torch.device(device), dtype
+        self.cuda = self.device.type == "cuda"
+        if len(residency) != len(layers):
+            raise StreamError(f"residency lists {len(residency)} blocks, the model has {len(layers)}")
+        bad = sorted({r for r in residency if r not in RESIDENCIES})
+        if bad:
+            raise StreamError(f"unknown residency {bad}; use one of {RESIDENCIES}")
+        if host_ahead < 1 or nvme_ahead < 1:
+            raise StreamError("host_ahead and nvme_ahead must be >= 1")
+        self.residency = list(residency)
+        self.depth = {"cpu": host_ahead, "nvme": nvme_ahead}
+        self.zero_copy_host = (not self.cuda) if zero_copy_host is None else zero_copy_host
+        if self.cuda and self.zero_copy_host:
+            raise StreamError("zero_copy_host is only possible when the device is the CPU")
+        self.fetch_delay_s = fetch_delay_s
+        self.pin = pin and self.cuda
+        self.stats = StreamStats()
+        self._files = list(files) if files is not None else [None] * len(layers)
+        self._io, self._own_io = (io, False) if io is not None else (None, True)
+        self._lock = threading.Lock()  # guards stats updated by the stage thread
+        # "resident" (device, or zero-copy host), "absent", "in_flight", "in_use"
+        self.state: list[str] = []
+        self.blocks: list[Block] = []
+        self._stored_dtype: list[torch.dtype | None] = []
+        self._runs: list[list[_Run]] = []
+        self._shift: list[int] = []  # byte shift that lines a buffer up with the first run
+        self._host: dict[int, torch.Tensor] = {}  # cpu-tier flat buffers (compute dtype)
+        self._resident: dict[int, torch.Tensor] = {}  # device-tier flat buffers
+        self._host_values: dict[int, dict[str, torch.Tensor]] = {}  # module-sourced weights
+        self._jobs: dict[int, tuple[Future, _Slot]] = {}
+        self._hooks: list = []
+        self.schedule: list[int] = list(range(len(layers)))
+        self.cyclic = True
+        self._cursor = -1
+        self._empty = torch.empty(0, dtype=dtype, device=self.device)  # what unbound params point at
+        for i, layer in enumerate(layers):
+            self._layout(i, layer)
+        self._allocate_streaming()
+        for i in range(len(layers)):
+            self._load_resident(i)
+            if progress is not None:
+                progress(i)
+
+    # ---- setup ------------------------------------------------------------------------------
+    @property
+    def io(self) -> IOEngine:
+        if self._io is None:
+            self._io = IOEngine()
+        return self._io
+
+    def _layout(self, i: int, layer: nn.Module) -> None:
+        """Block i's flat layout: parameters in file order when a file source is given (so a
+        block stored contiguously is one read), else in module order."""
+        params = dict(layer.named_parameters())
+        ranges = self._files[i]
+        if ranges is not None:
+            by_name = {r.name: r for r in ranges}
+            if set(by_name) != set(params):
+                raise StreamError(f"block {i}: file ranges cover {sorted(by_name)}, the module has "
+                                  f"parameters {sorted(params)}")
+            order = sorted(by_name, key=lambda n: (by_name[n].path, by_name[n].offset))
+            dtypes = {by_name[n].dtype for n in order}
+            if len(dtypes) != 1:
+                raise StreamError(f"block {i}: parameters stored in several dtypes {dtypes}")
+            stored = dtypes.pop()
+            runs: list[_Run] = []
+            pos = 0
+            for n in order:
+                r = by_name[n]
+                expect = params[n].numel() * stored.itemsize
+                if r.nbytes != expect:
+                    raise StreamError(f"block {i}: {n} is stored as {r.nbytes} bytes, expected {expect}")
+                last = runs[-1] if runs else None
+                if last and last.path == r.path and last.offset + last.nbytes == r.offset:
+                    last.nbytes += r.nbytes  # adjacent in the file: one read
+                else:
+                    runs.append(_Run(r.path, r.offset, r.nbytes, pos))
+                pos += r.nbytes
+            shift = runs[0].offset % ALIGN
+            # the typed view must start on an element boundary of both dtypes
+            if shift % stored.itemsize or shift % self.dtype.itemsize:
+                shift = 0
+            self._stored_dtype.append(stored)
+            self._runs.append(runs)
+            self._shift.append(shift)
+        else:
+            if self.residency[i] == "nvme":
+                raise StreamError(f"block {i} is placed on nvme but has no file source")
+            meta = [n for n, p in params.items() if p.device.type == "meta"]
+            if meta:
+                raise StreamError(f"block {i}: parameter {meta[0]} is on meta and no file source was given")
+            order = list(params)
+            self._stored_dtype.append(None)
+            self._runs.append([])
+            self._shift.append(0)
+        block = Block(index=i, name=str(i), module=layer)
+        for n in order:
+            p = params[n]
+            if ranges is None:  # the module's own values are this block's source: keep them
+                self._host_values.setdefault(i, {})[n] = p.detach().to("cpu", self.dtype).clone()
+            if p.device.type == "meta" or p.device != self.device or p.dtype != self.dtype:
+                # A meta (or other device/dtype) parameter cannot take device storage in place,
+                # so it is replaced once by a real one; from here on only `.data` changes.
+                owner, _, attr = n.rpartition(".")
+                new = nn.Parameter(self._empty, requires_grad=p.requires_grad)
+                setattr(layer.get_submodule(owner) if owner else layer, attr, new)
+            else:
+                new = p
+            block.slots.append(ParamSlot(n, new, block.numel, p.numel(), p.shape))
+            block.numel += p.numel()
+        block.shard_numel = block.numel
+        self.blocks.append(block)
+        self.state.append("absent")
+
+    def block_bytes(self, i: int) -> int:
+        """Bytes of block i in the compute dtype (what a slot holds)."""
+        return self.blocks[i].numel * self.dtype.itemsize
+
+    def _streamed(self, i: int) -> bool:
+        tier = self.residency[i]
+        return tier == "nvme" or (tier == "cpu" and not self.zero_copy_host)
+
+    def _direct_into_slot(self, i: int) -> bool:
+        return not self.cuda and self._stored_dtype[i] == self.dtype
+
+    def _allocate_streaming(self) -> None:
+        """Slots and staging, allocated once for the whole run (no per-fetch allocation)."""
+        streamed = [i for i in range(len(self.layers)) if self._streamed(i)]
+        self.slots: list[_Slot] = []
+        self._free_slots: list[_Slot] = []
+        self.staging: list[_Staging] = []
+        self._landing: torch.Tensor | None = None
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda and streamed else None
+        if not streamed:
+            return
+        tiers = {self.residency[i] for i in streamed}
+        n_slots = 1 + max(self.depth[t] for t in tiers)
+        slot_bytes = max(self.block_bytes(i) for i in streamed)
+        for _ in range(n_slots):
+            raw = (torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda
+                   else aligned_empty(slot_bytes + ALIGN))  # +ALIGN: room to line up with the file
+            self.slots.append(_Slot(raw, self.cuda))
+        self._free_slots = list(self.slots)
+        staged = [i for i in streamed if self.residency[i] == "nvme" and not self._direct_into_slot(i)]
+        if staged:
+            stored_bytes = max(self._stored_bytes(i) for i in staged)
+            for _ in range(self.depth["nvme"]):
+                self.staging.append(_Staging(aligned_empty(stored_bytes + ALIGN, pin=self.pin), self.cuda))
+            if self.cuda and any(self._stored_dtype[i] != self.dtype for i in staged):
+                # Bytes land here in the stored dtype, then are converted into the slot on the
+                # copy stream; the stream's own order protects it between fetches.
+                self._landing = torch.empty(stored_bytes, dtype=torch.uint8, device=self.device)
+        self._staging_next = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-fetch")
+
+    def _stored_bytes(self, i: int) -> int:
+        dt = self._stored_dtype[i] or self.dtype
+        return self.blocks[i].numel * dt.itemsize
+
+    def _read_runs(self, i: int, dst: torch.Tensor) -> None:
+        """Read block i's stored bytes into `dst` (uint8, contiguous CPU) with the IO engine."""
+        handles = [self.io.submit_read(r.path, r.offset, dst[r.buf_offset:r.buf_offset + r.nbytes])
+                   for r in self._runs[i]]
+        IOEngine.wait_all(handles)
+
+    def _fill_host(self, i: int, flat: torch.Tensor) -> None:
+        """Fill a CPU flat buffer (compute dtype) with block i's weights from its source."""
+        if self._runs[i]:
+            if self._stored_dtype[i] == self.dtype:
+                self._read_runs(i, flat.view(torch.uint8))
+            else:
+                tmp = aligned_empty(self._stored_bytes(i) + ALIGN)
+                raw = _aligned_view(tmp, self._shift[i], self._stored_bytes(i))
+                self._read_runs(i, raw)
+                flat.copy_(raw.view(self._stored_dtype[i]))  # converts to the compute dtype
+        else:
+            values = self._host_values.pop(i)
+            block = self.blocks[i]
+            for s in block.slots:
+                flat[s.offset:s.offset + s.numel].copy_(values[s.name].reshape(-1))
+
+    def _load_resident(self, i: int) -> None:
+        tier, nbytes = self.residency[i], self.block_bytes(i)
+        if tier == "nvme":
+            self._unbind(i)
+            return
+        if tier == "device" and self.cuda:
+            host = aligned_empty(nbytes + ALIGN)
+            host_flat = _aligned_view(host, self._shift[i], nbytes).view(self.dtype)
+            self._fill_host(i, host_flat)
+            flat = torch.empty(self.blocks[i].numel, dtype=self.dtype, device=self.device)
+            flat.copy_(host_flat)  # setup only: a plain blocking copy is fine here
+            del host
+        else:  # host memory: the device on CPU, or the cpu tier (pinned under CUDA)
+            raw = aligned_empty(nbytes + ALIGN, pin=self.pin and tier == "cpu")
+            flat = _aligned_view(raw, self._shift[i], nbytes).view(self.dtype)
+            self._fill_host(i, flat)
+        if tier == "cpu" and not self.zero_copy_host:
+            self._host[i] = flat
+            self._unbind(i)
+            return
+        self._resident[i] = flat
+        bind_views(self.blocks[i], flat)
+        self.state[i] = "resident"
+
+    def _unbind(self, i: int) -> None:
+        """Point block i's parameters at an empty tensor, so a use without wait() fails loudly."""
+        for s in self.blocks[i].slots:
+            s.param.data = self._empty
+        self.state[i] = "absent"
+
+    # ---- the mechanism ------------------------------------------------------------------------
+    def fetch(self, i: int) -> None:
+        """Start bringing block i into a slot (no-op when resident or already on its way)."""
+        if self.state[i] != "absent":
+            return
+        slot = self._take_slot(i)
+        staging = None
+        if self.residency[i] == "nvme" and not self._direct_into_slot(i):
+            staging = self.staging[self._staging_next]
+            self._staging_next = (self._staging_next + 1) % len(self.staging)
+        slot.owner = i
+        # The free event is read here, on the thread that recorded it, and handed over.
+        wait_free = slot.free if slot.free_recorded else None
+        fut = self._executor.submit(self._job, i, slot, staging, wait_free)
+        self._jobs[i] = (fut, slot)
+        self.state[i] = "in_flight"
+
+    def _slot_view(self, i: int, slot: _Slot) -> torch.Tensor:
+        shift = 0 if self.cuda else self._shift[i]
+        return _aligned_view(slot.raw, shift, self.block_bytes(i)).view(self.dtype)
+
+    def _job(self, i: int, slot: _Slot, staging: _Staging | None, wait_free) -> None:
+        """Stage thread: move block i's bytes into its slot (see the module docstring for order)."""
+        t0 = time.perf_counter()
+        if self.fetch_delay_s:
+            time.sleep(self.fetch_delay_s)
+        dst = self._slot_view(i, slot)
+        tier, moved = self.residency[i], {}
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                self._job_cuda(i, slot, staging, wait_free, dst, moved)
+        elif tier == "cpu":
+            dst.copy_(self._host[i])
+            moved["h2d"] = self.block_bytes(i)
+        elif staging is None:  # CPU, same dtype: straight from the file into the slot
+            self._read_runs(i, dst.view(torch.uint8))
+            moved["disk"] = self._stored_bytes(i)
+        else:  # CPU, other dtype: read, then convert into the slot
+            raw = _aligned_view(staging.raw, self._shift[i], self._stored_bytes(i))
+            self._read_runs(i, raw)
+            dst.copy_(raw.view(self._stored_dtype[i]))
+            moved["disk"] = self._stored_bytes(i)
+        with self._lock:
+            for k, v in moved.items():
+                self.stats.moved_bytes[k] += v
+            self.stats.fetches[tier] += 1
+            self.stats.stage_busy_s += time.perf_counter() - t0
+
+    def _job_cuda(self, i: int, slot: _Slot, staging: _Staging | None, wait_free,
+                  dst: torch.Tensor, moved: dict[str, int]) -> None:
+        if staging is not None:
+            if staging.done_recorded:
+                # The previous host->device copy out of this staging buffer must be finished
+                # before the disk overwrites it: wait on that one event only (no device sync).
+                staging.done.synchronize()
+            raw = _aligned_view(staging.raw, self._shift[i], self._stored_bytes(i))
+            self._read_runs(i, raw)
+            moved["disk"] = self._stored_bytes(i)
+        with torch.cuda.stream(self.copy_stream):
+            if wait_free is not None:
+                # Kernels of the slot's previous owner may still be queued on the compute
+                # stream; the copy stream (not the host) waits for them.
+                self.copy_stream.wait_event(wait_free)
+            if self.fetch_delay_s and hasattr(torch.cuda, "_sleep"):
+                torch.cuda._sleep(int(self.fetch_delay_s * 1e9))  # ~1 GHz cycles: a late copy
+            if staging is None:  # cpu tier: pinned host buffer -> slot, one copy
+                dst.copy_(self._host[i], non_blocking=True)
+            elif self._stored_dtype[i] == self.dtype:
+                dst.copy_(raw.view(self.dtype), non_blocking=True)
+            else:
+                land = self._landing[:raw.numel()]
+                land.copy_(raw, non_blocking=True)
+                dst.copy_(land.view(self._stored_dtype[i]))  # converts on the device
+            if staging is not None:
+                staging.done.record(self.copy_stream)
+                staging.done_recorded = True
+            slot.ready.record(self.copy_stream)
+        moved["h2d"] = self.block_bytes(i) if staging is None else self._stored_bytes(i)
+
+    def wait(self, i: int) -> None:
+        """Make block i usable by the compute stream and bind its parameters (fetching it first
+        if nobody did)."""
+        tier = self.residency[i]
+        self.stats.served_bytes[tier] += self.block_bytes(i)
+        self._advance_cursor(i)
+        if self.state[i] == "resident":
+            return
+        if self.state[i] == "in_use":
+            return
+        self.fetch(i)
+        fut, slot = self._jobs.pop(i)
+        t0 = time.perf_counter()
+        fut.result()  # the stage thread has moved (CPU) or issued the copy of (CUDA) block i
+        self.stats.wait_s += time.perf_counter() - t0
+        if self.cuda:
+            # GPU-side: later kernels on the compute stream start after the copy finished.
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        bind_views(self.blocks[i], self._slot_view(i, slot))
+        self.state[i] = "in_use"
+
+    def release(self, i: int) -> None:
+        """Block i has been run: its slot may be refilled once the compute queued so far is done."""
+        if self.state[i] != "in_use":
+            return
+        slot = next(s for s in self.slots if s.owner == i)
+        self._unbind(i)
+        if self.cuda:
+            slot.free.record(torch.cuda.current_stream(self.device))
+            slot.free_recorded = True
+        slot.owner = None
+        self._free_slots.append(slot)
+
+    def _take_slot(self, i: int) -> _Slot:
+        if self._free_slots:
+            return self._free_slots.pop(0)
+        # No free slot: block i is needed out of schedule order. Give up the fetched block that
+        # is needed last; it is fetched again later.
+        waiting = [j for j in self._jobs if j != i]
+        if not waiting:
+            raise StreamError(f"block {i}: all {len(self.slots)} slots hold blocks in use; "
+                              f"release blocks before fetching more")
+        victim = max(waiting, key=self._distance)
+        fut, slot = self._jobs.pop(victim)
+        fut.result()  # the copy into it is in flight; the copy stream keeps later copies after it
+        self.state[victim] = "absent"
+        slot.owner = None
+        return slot
+
+    def _distance(self, j: int) -> int:
+        n = len(self.schedule)
+        for k in range(1, n + 1):
+            if self.schedule[(self._cursor + k) % n] == j:
+                return k
+        return n + 1
+
+    def _position(self, i: int) -> int:
+        """Position of the next occurrence of block i in the schedule after the cursor."""
+        n = len(self.schedule)
+        for k in range(1, n + 1):
+            pos = (self._cursor + k) % n
+            if self.schedule[pos] == i:
+                return pos
+        raise StreamError(f"block {i} is not in the schedule {self.schedule}")
+
+    def _advance_cursor(self, i: int) -> None:
+        self._cursor = self._position(i)
+
+    def set_schedule(self, order: Sequence[int], cyclic: bool = True) -> None:
+        """The order blocks will be waited on (e.g. forward then reverse for training)."""
+        if any(not 0 <= j < len(self.layers) for j in order) or not order:
+            raise StreamError(f"schedule must list block indices in [0, {len(self.layers)})")
+        self.schedule, self.cyclic, self._cursor = list(order), cyclic, -1
+
+    def prefetch(self, after: int | None = None) -> None:
+        """Fetch the streamed blocks that follow `after` in the schedule (from the start when
+        None), the k-th of them only if k <= its tier's depth and a slot is free. Fetches are
+        issued in schedule order so slots are always consumed in the order they are needed."""
+        n = len(self.schedule)
+        if after is None:
+            start = -1
+        elif self._cursor >= 0 and self.schedule[self._cursor] == after:
+            start = self._cursor  # already waited on: the cursor points at it
+        else:
+            start = self._position(after)
+        count = 0
+        for k in range(1, n):  # at most one lap, never back to `after` itself
+            pos = start + k
+            if pos >= n and not self.cyclic:
+                return
+            j = self.schedule[pos % n]
+            if not self._streamed(j):
+                continue
+            count += 1
+            if count > self.depth[self.residency[j]]:
+                return
+            if self.state[j] != "absent":
+                continue
+            if not self._free_slots:
+                return
+            self.fetch(j)
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def attach(self) -> "BlockStreamer":
+        """Forward hooks: before block i runs fetch/prefetch/wait, after it release."""
+        for i, layer in enumerate(self.layers):
+            self._hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._before(i)))
+            self._hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: self.release(i)))
+        return self
+
+    def _before(self, i: int) -> None:
+        self.fetch(i)
+        self.prefetch(after=i)  # queue the next ones before blocking on this one
+        self.wait(i)
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def release_all(self) -> None:
+        """Release every block in use and let in-flight fetches finish (after an exception)."""
+        for i, st in enumerate(self.state):
+            if st == "in_use":
+                self.release(i)
+        for i in list(self._jobs):
+            fut, slot = self._jobs.pop(i)
+            try:
+                fut.result()
+            finally:
+                self.state[i] = "absent"
+                slot.owner = None
+                self._free_slots.append(slot)
+
+    def close(self) -> None:
+        self.detach()
+        self.release_all()
+        if hasattr(self, "_executor"):
+            self._executor.shutdown(wait=True)
+        if self._own_io and self._io is not None:
+            self._io.close()
+            self._io = None
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def tier_bytes(self) -> dict[str, int]:
+        """Compute-dtype bytes of the blocks placed in each tier."""
+        out = dict.fromkeys(RESIDENCIES, 0)
+        for i, t in enumerate(self.residency):
+            out[t] += self.block_bytes(i)
+        return out
+
+    def device_bytes(self) -> int:
+        """Device memory held by the streamer: resident blocks plus slots (and landing)."""
+        total = sum(t.numel() * t.element_size() for t in self._resident.values()) if self.cuda else 0
+        total += sum(s.raw.numel() for s in self.slots) if self.cuda else 0
+        return total + (self._landing.numel() if self._landing is not None else 0)
+
+
+
+# ---- Llama-family checkpoints --------------------------------------------------------------------
+def checkpoint_ranges(reader, layer: int) -> list[TensorRange]:
+    """Block `layer`'s tensors as byte ranges of the checkpoint's shards (names relative to the
+    layer), for the streamer to read in place: no conversion pass, no second copy on disk."""
+    prefix = f"model.layers.{layer}."
+    return [TensorRange(loc.name[len(prefix):], loc.path, loc.offset, loc.nbytes, loc.dtype)
+            for loc in reader.block_locations(layer)]
+
+
+def load_streamed(reader, residency: Sequence[str], *, device: torch.device | str, dtype: torch.dtype,
+                  host_ahead: int = 1, nvme_ahead: int = 2, io: IOEngine | None = None,
+                  fetch_delay_s: float = 0.0, zero_copy_host: bool | None = None,
+                  progress: Callable[[int], None] | None = None):
+    """(model, attached streamer) for an open `offload.models.CheckpointReader`: built on meta,
+    non-block weights materialised on the device, blocks placed per `residency`."""
+    from offload.models import build_model, materialize_non_block  # models -> stream, not back
+    model = build_model(reader.config, "meta", dtype)
+    materialize_non_block(model, device, dtype, reader)
+    files = [checkpoint_ranges(reader, i) for i in range(reader.config.num_hidden_layers)]
+    streamer = BlockStreamer(model.model.layers, residency, device=device, dtype=dtype, files=files,
+                             host_ahead=host_ahead, nvme_ahead=nvme_ahead, io=io,
+                             zero_copy_host=zero_copy_host, fetch_delay_s=fetch_delay_s,
+                             progress=progress)
+    return model, streamer.attach()

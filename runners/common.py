@@ -1,0 +1,137 @@
+"""CLI helpers shared by the runners (infer now, finetune later): one-line errors with exit code
+2 instead of tracebacks, `--gpu N` device selection, `--dtype`, and the budget flags.
+
+Library code raises typed exceptions; `run_main` turns the expected ones into `error: ...` on
+stderr. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+from offload.config import ConfigError as OffloadConfigError
+from offload.config import parse_bytes
+from offload.tiers import BudgetError
+
+EXIT_USAGE = 2
+
+
+class RunnerError(Exception):
+    """Bad input the user can fix; printed as one line."""
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean "bad input or environment", not "bug"."""
+    from nvme.format import FormatError
+    from nvme.io import IOEngineError
+    from offload.generate import GenerationError
+    from offload.models import CheckpointError
+    from offload.models import ConfigError as ModelConfigError
+    from offload.stream import StreamError
+    from offload.tokenizer import TokenizerError
+    return (RunnerError, OffloadConfigError, ModelConfigError, BudgetError, CheckpointError,
+            GenerationError, TokenizerError, StreamError, FormatError, IOEngineError)
+
+
+def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Run `main`, turning expected failures into one line on stderr and exit code 2."""
+    try:
+        return main(argv)
+    except expected_errors() as e:
+        msg = str(e).strip().splitlines()
+        print(f"error: {' '.join(line.strip() for line in msg) or type(e).__name__}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (plus its usage) and exit code 2, like ours."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+
+# ---- device and dtype ---------------------------------------------------------------------------
+def add_device_args(parser: argparse.ArgumentParser, default_dtype: str = "auto") -> None:
+    parser.add_argument("--gpu", type=int, default=None, metavar="N",
+                        help="run on cuda:N (absent: CPU)")
+    parser.add_argument("--dtype", default=default_dtype, choices=["auto", "fp32", "bf16", "fp16"],
+                        help="compute dtype (auto: fp32 on CPU, bf16 on a GPU that supports it)")
+
+
+def select_device(gpu: int | None) -> torch.device:
+    """cuda:N after checking it exists; CPU when `gpu` is None."""
+    if gpu is None:
+        return torch.device("cpu")
+    if gpu < 0:
+        raise RunnerError(f"--gpu {gpu}: the index must be >= 0")
+    if not torch.cuda.is_available():
+        raise RunnerError(f"--gpu {gpu}: no CUDA device is available here (this torch build or "
+                          f"machine has no GPU); leave out --gpu to run on the CPU")
+    count = torch.cuda.device_count()
+    if gpu >= count:
+        raise RunnerError(f"--gpu {gpu}: only {count} CUDA device(s) here (valid: 0..{count - 1})")
+    return torch.device("cuda", gpu)
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return _DTYPES[name]
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}.get(dtype, str(dtype))
+
+
+# ---- budgets ------------------------------------------------------------------------------------
+def add_budget_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                        help="device memory budget, e.g. 20GiB (default: what is free)")
+    parser.add_argument("--cpu-memory", default=None, metavar="SIZE",
+                        help="host RAM budget, e.g. 16GiB (default: what is available)")
+    parser.add_argument("--offload-dir", default=None, metavar="DIR",
+                        help="directory for generated weights and NVMe files")
+
+
+def parse_size(value: str | None, flag: str) -> int | None:
+    try:
+        size = parse_bytes(value, flag)
+    except OffloadConfigError as e:
+        raise RunnerError(str(e)) from None
+    if size is not None and size <= 0:
+        raise RunnerError(f"{flag}: must be a positive size, got {value!r}")
+    return size
+
+
+def check_budget_flags(args: argparse.Namespace, device: torch.device) -> tuple[int | None, int | None]:
+    """(device budget, host budget) in bytes from the flags; --gpu-memory needs a GPU."""
+    gpu_mem = parse_size(args.gpu_memory, "--gpu-memory")
+    cpu_mem = parse_size(args.cpu_memory, "--cpu-memory")
+    if gpu_mem is not None and device.type != "cuda":
+        raise RunnerError("--gpu-memory applies to a GPU (--gpu N); on the CPU the budget is --cpu-memory")
+    return gpu_mem, cpu_mem
+
+
+def writable_dir(path: str, flag: str) -> str:
+    """Create `path` if needed and check it can be written."""
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise RunnerError(f"{flag} {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise RunnerError(f"{flag} {path}: not writable")
+    return path

@@ -1,0 +1,316 @@
+"""python -m runners.infer: generate with a model larger than the device (ZeRO-Inference).
+
+    python -m runners.infer                                   # tiny random model on CPU, seconds
+    python -m runners.infer --model /ckpt/Llama-3.2-1B --prompt "Hello" --max-new-tokens 32
+    python -m runners.infer --model 70B --gpu 0 --cpu-memory 100GiB --dry-run
+
+Steps: resolve the model (a checkpoint directory, or a preset whose random weights are generated
+once into a cache directory), measure link bandwidths (~1 s), plan where each block lives and
+print the plan, load, generate (tokens printed as they come), report speed against the floor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from offload.config import format_bytes
+from offload.generate import SamplingParams, check_prompts, generate
+from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
+                            num_block_params, num_params, parameter_shapes, preset, save_pretrained)
+from offload.planner import MODES, measure_links, plan_inference, workspace_bytes
+from offload.stream import load_streamed
+from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
+from offload.tokenizer import StreamDecoder, load_tokenizer
+from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,
+                            dtype_label, run_main, select_device, select_dtype, writable_dir)
+
+DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m runners.infer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset "
+                   f"({', '.join(PRESETS)}); default tiny")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (needs tokenizer.json)")
+    p.add_argument("--prompt-file", help="one prompt per line, run as a batch")
+    p.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
+                   help="a prompt as token ids (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--init-seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="prompts per batch (one prompt is repeated to fill it)")
+    add_device_args(p)
+    p.add_argument("--weights", default="auto", choices=["auto", "device", "cpu", "nvme"],
+                   help="auto = planner; the others put every block in that tier")
+    add_budget_args(p)
+    p.add_argument("--mode", default="latency", choices=MODES)
+    p.add_argument("--nvme-ahead", type=int, default=2, help="blocks read ahead from NVMe")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    p.add_argument("--output-json", metavar="FILE")
+    return p
+
+
+# ---- model resolution -------------------------------------------------------------------------------
+def resolve_model(args, dtype: torch.dtype) -> tuple[ModelConfig, str | None, bool]:
+    """(config, checkpoint dir or None when a preset's weights are not generated yet, is_random)."""
+    name = args.model
+    looks_like_path = os.sep in name or name.startswith(".") or os.path.exists(name)
+    if not looks_like_path and name in PRESETS:
+        cfg = preset(name)
+        cache = args.offload_dir or os.path.join("~", ".cache", "offload")
+        path = os.path.join(os.path.abspath(os.path.expanduser(cache)),
+                            f"{name}-seed{args.init_seed}-{dtype_label(dtype)}")
+        return cfg, path, True
+    if not os.path.exists(name):
+        raise RunnerError(f"--model {name}: no such directory, and not a preset "
+                          f"(presets: {', '.join(PRESETS)})")
+    with CheckpointReader(name) as reader:  # CheckpointError: no config.json, bad arch, ...
+        return reader.config, name, False
+
+
+def random_checkpoint(cfg: ModelConfig, path: str, seed: int, dtype: torch.dtype) -> None:
+    """Write seeded random weights as a checkpoint, one tensor at a time (reused when present)."""
+    try:
+        with CheckpointReader(path) as reader:
+            if reader.config.to_hf(dtype="x") == cfg.to_hf(dtype="x"):
+                return
+    except Exception:  # noqa: BLE001 - absent or stale: (re)generate below
+        pass
+    writable_dir(path, "--offload-dir")
+    shapes = parameter_shapes(cfg)
+    need = num_params(cfg) * dtype.itemsize
+    free = disk_free_bytes(path)
+    if need > free:
+        raise RunnerError(f"random weights for this preset need {format_bytes(need)} on disk, "
+                          f"{format_bytes(free)} free at {path}; use --offload-dir elsewhere")
+
+    def tensors():
+        for name, shape in tqdm(shapes.items(), desc="generating random weights", unit="tensor",
+                                file=sys.stderr):
+            t = torch.empty(shape, dtype=torch.float32)
+            init_parameter_(name, t, seed, cfg.initializer_range)
+            yield name, t.to(dtype)
+
+    save_pretrained(tensors(), path, config=cfg, dtype=dtype, max_shard_bytes=1 << 30)
+
+
+def read_prompts(args, tokenizer, cfg: ModelConfig) -> list[list[int]]:
+    texts = list(args.prompt)
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file) as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise RunnerError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+    if texts and tokenizer is None:
+        raise RunnerError("text prompts need a tokenizer.json in the model directory, which this "
+                          "model lacks; give token ids with --prompt-ids 1,2,3")
+    if args.chat and tokenizer is None:
+        raise RunnerError("--chat needs a tokenizer.json with a chat template in the model directory")
+    prompts = [tokenizer.encode_chat(t) if args.chat else tokenizer.encode(t) for t in texts]
+    for spec in args.prompt_ids:
+        try:
+            prompts.append([int(x) for x in spec.replace(" ", "").split(",") if x])
+        except ValueError:
+            raise RunnerError(f"--prompt-ids {spec!r}: expected comma-separated integers") from None
+    if not prompts:
+        prompts = [[t % cfg.vocab_size for t in DEFAULT_IDS]]
+    check_prompts(prompts, cfg.vocab_size)
+    return prompts
+
+
+# ---- main -------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise RunnerError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise RunnerError(f"--batch-size must be >= 1, got {args.batch_size}")
+    device = select_device(args.gpu)
+    dtype = select_dtype(args.dtype, device)
+    gpu_budget, cpu_budget = check_budget_flags(args, device)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    cfg, path, is_random = resolve_model(args, dtype)
+    tokenizer = None if is_random else load_tokenizer(path)
+    prompts = read_prompts(args, tokenizer, cfg)
+    batch = args.batch_size or len(prompts)
+    if len(prompts) == 1 and batch > 1:
+        prompts = prompts * batch
+    batches = [prompts[k:k + batch] for k in range(0, len(prompts), batch)]
+    context = max(len(p) for p in prompts) + args.max_new_tokens
+    if is_random:
+        print(f"WARNING: preset {args.model!r} has no checkpoint: RANDOM weights (seed {args.init_seed}) "
+              f"in {path}. This measures speed, not text.", file=sys.stderr)
+        if not args.dry_run:
+            random_checkpoint(cfg, path, args.init_seed, dtype)
+    ready = path is not None and os.path.isfile(os.path.join(path, "config.json"))
+    reader = CheckpointReader(path) if ready else None
+    try:
+        return _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget,
+                    cpu_budget, sampling)
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget, cpu_budget,
+         sampling) -> int:
+    L, item = cfg.num_hidden_layers, dtype.itemsize
+    block = num_block_params(cfg) * item
+    stored = ([sum(loc.nbytes for loc in reader.block_locations(i)) for i in range(L)] if reader
+              else [block] * L)
+    stored_dtype = reader.block_locations(0)[0].dtype if reader else dtype
+    batch = len(batches[0])
+    host_free = host_free_bytes()
+    host_budget = min(cpu_budget, host_free) if cpu_budget else host_free
+    dev_free = device_free_bytes(device)
+    dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
+    shards = sorted({loc.path for loc in reader.locations.values()}) if reader else []
+    links = measure_links(device, shards, seconds=1.0)
+    plan = plan_inference(
+        block_bytes=[block] * L, stored_block_bytes=stored,
+        non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item,
+        batch_size=batch, context=context,
+        kv_bytes_per_seq=kv_cache_bytes(cfg, 1, context, dtype),
+        workspace_per_seq=workspace_bytes(cfg.hidden_size, cfg.intermediate_size,
+                                          cfg.num_attention_heads, cfg.vocab_size, context, 1, item),
+        device_budget=dev_budget if device.type == "cuda" else host_budget, host_budget=host_budget,
+        device_is_host=device.type != "cuda", mode=args.mode,
+        force=None if args.weights == "auto" else args.weights, nvme_ahead=args.nvme_ahead,
+        staging_needed=device.type == "cuda" or stored_dtype != dtype)
+    print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params, {L} blocks "
+          f"of {format_bytes(block)} in {dtype_label(dtype)}) on {device}", file=sys.stderr)
+    print(plan.describe(links), file=sys.stderr)
+    if args.dry_run:
+        if args.output_json:
+            _write_json(args.output_json, {"plan": _plan_json(plan)})
+        return 0
+    with tqdm(total=L, desc="loading blocks", unit="block", file=sys.stderr) as bar:
+        model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
+                                        nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1))
+    stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
+    all_ids, texts, results = [], [], []
+    try:
+        for rows in batches:
+            decoders = [StreamDecoder(tokenizer) for _ in rows] if tokenizer else None
+            single = len(rows) == 1
+
+            def on_tokens(step, ids, decoders=decoders, single=single):
+                if not single or ids[0] is None:
+                    return
+                piece = decoders[0].push(ids[0]) if decoders else f"{ids[0]} "
+                print(piece, end="", flush=True)
+
+            res = generate(model, rows, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                           stop_ids=stop, device=device, dtype=dtype, streamer=streamer,
+                           on_tokens=on_tokens)
+            results.append(res)
+            all_ids += res.tokens
+            if decoders:
+                if single:
+                    print(decoders[0].flush(), end="")
+                texts += [tokenizer.decode(t) for t in res.tokens]
+            if single:
+                print()
+            else:
+                for r, toks in enumerate(res.tokens):
+                    print(f"[{len(all_ids) - len(res.tokens) + r}] "
+                          f"{texts[-len(res.tokens) + r] if decoders else toks}")
+    finally:
+        streamer.close()
+    metrics = _metrics(results, plan, links, device, batch)
+    _report(metrics)
+    if args.output_json:
+        out = {"generated_ids": all_ids, "metrics": metrics, "plan": _plan_json(plan)}
+        if tokenizer is not None:
+            out["text"] = texts
+        _write_json(args.output_json, out)
+    return 0
+
+
+def _plan_json(plan) -> dict:
+    return {"residency": plan.residency, "device_need": plan.device_need, "host_need": plan.host_need,
+            "block_bytes": plan.block_bytes, "kv_bytes": plan.kv_bytes, "mode": plan.mode}
+
+
+def _write_json(path: str, obj: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+    except OSError as e:
+        raise RunnerError(f"--output-json {path}: {e.strerror}") from None
+
+
+def _stop_ids(cfg: ModelConfig, tokenizer) -> list[int]:
+    eos = cfg.eos_token_id
+    ids = list(eos) if isinstance(eos, tuple) else ([] if eos is None else [eos])
+    if tokenizer is not None:
+        ids += tokenizer.stop_ids()
+    return sorted(set(ids))
+
+
+def _metrics(results, plan, links, device, batch) -> dict:
+    pre_tok = sum(r.prompt_tokens for r in results)
+    pre_s = sum(r.prefill_s for r in results)
+    dec_tok = sum(r.decode_tokens for r in results)
+    dec_s = sum(r.decode_s for r in results)
+    steps = sum(r.decode_steps for r in results)
+    moved = {"h2d": 0, "disk": 0}
+    wait_s = 0.0
+    for r in results:
+        if r.decode_stream is not None:
+            for k in moved:
+                moved[k] += r.decode_stream.moved_bytes[k]
+            wait_s += r.decode_stream.wait_s
+    floor_step = plan.floor_s_per_step(links)
+    step_s = dec_s / steps if steps else math.nan
+    peak_dev = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes())
+    return {
+        "prefill_tokens_per_s": pre_tok / pre_s if pre_s else 0.0,
+        "decode_tokens_per_s": dec_tok / dec_s if dec_s else 0.0,
+        "decode_s_per_step": step_s, "batch_size": batch, "decode_steps": steps,
+        "bytes_per_token": {"cpu": moved["h2d"] / dec_tok if dec_tok else 0.0,
+                            "nvme": moved["disk"] / dec_tok if dec_tok else 0.0},
+        "blocks_per_tier": {t: plan.count(t) for t in ("device", "cpu", "nvme")},
+        "link_gbps": {"h2d": links.h2d_gbps, "disk": links.disk_gbps},
+        "floor_s_per_step": floor_step,
+        "floor_s_per_token": floor_step / batch,
+        "percent_of_floor": 100.0 * floor_step / step_s if floor_step and steps else None,
+        "compute_wait_s": wait_s,
+        "peak_device_bytes": peak_dev, "peak_host_bytes": peak_rss_bytes(),
+    }
+
+
+def _report(m: dict) -> None:
+    pct = f"{m['percent_of_floor']:.0f}% of floor" if m["percent_of_floor"] is not None else \
+        "floor n/a (nothing streamed)"
+    print(f"prefill {m['prefill_tokens_per_s']:.1f} tok/s | decode {m['decode_tokens_per_s']:.2f} tok/s "
+          f"(batch {m['batch_size']}, {m['decode_s_per_step']:.3f} s/step)", file=sys.stderr)
+    print(f"streamed per token: host->device {format_bytes(m['bytes_per_token']['cpu'])}, "
+          f"nvme {format_bytes(m['bytes_per_token']['nvme'])} | links: h2d "
+          f"{m['link_gbps']['h2d']:.2f} GB/s, disk {m['link_gbps']['disk']:.2f} GB/s | floor "
+          f"{m['floor_s_per_step']:.3f} s/step, {pct} | compute waited {m['compute_wait_s']:.2f} s",
+          file=sys.stderr)
+    print(f"peak memory: device {format_bytes(m['peak_device_bytes'])}, host (RSS) "
+          f"{format_bytes(m['peak_host_bytes'])}", file=sys.stderr)
+
+
+def entry() -> None:
+    sys.exit(run_main(main))
+
+
+if __name__ == "__main__":
+    entry()
