@@ -196,9 +196,13 @@ class SafetensorsFile:
         except KeyError:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
-    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+    def read_into(self, name: str, out: torch.Tensor, engine=None) -> torch.Tensor:
         """Read tensor `name`'s bytes into `out` (contiguous CPU, same byte size; dtype may differ
-        only if the caller wants raw bytes). Returns `out`."""
+        only if the caller wants raw bytes). Returns `out`. With an `nvme.IOEngine`, the read
+        goes through it (O_DIRECT into `out` where alignment allows, split across threads)."""
+        if engine is not None:
+            self.submit_read(name, out, engine).wait()
+            return out
         info = self.info(name)
         check_buffer(info, out, self.path)
         if info.nbytes:
@@ -206,9 +210,17 @@ class SafetensorsFile:
         self.bytes_read += info.nbytes
         return out
 
-    def read(self, name: str) -> torch.Tensor:
+    def submit_read(self, name: str, out: torch.Tensor, engine, **kw):
+        """Start reading tensor `name` into `out` through `engine` (an `nvme.IOEngine`); returns
+        its handle (`.wait()`). Extra keywords go to `engine.submit_read` (e.g. checksum)."""
         info = self.info(name)
-        return self.read_into(name, torch.empty(info.shape, dtype=info.dtype))
+        check_buffer(info, out, self.path)
+        self.bytes_read += info.nbytes
+        return engine.submit_read(self.path, info.offset, out, **kw)
+
+    def read(self, name: str, engine=None) -> torch.Tensor:
+        info = self.info(name)
+        return self.read_into(name, torch.empty(info.shape, dtype=info.dtype), engine)
 
 
 def _header_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None,
@@ -229,6 +241,13 @@ def _header_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
     return struct.pack("<Q", padded) + raw + b" " * (padded - len(raw))
 
 
+def header_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+                 align_bytes: int = DATA_ALIGN_BYTES) -> bytes:
+    """The length prefix plus space-padded JSON header `write_file` would write for `tensors`
+    (in order, packed back to back): its length is where the data section starts."""
+    return _header_bytes(tensors, metadata, align_bytes)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or create inside directory `path` durable."""
     fd = os.open(os.fspath(path), os.O_RDONLY)
@@ -240,21 +259,25 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
                metadata: Mapping[str, str] | None = None, *, align_bytes: int = DATA_ALIGN_BYTES,
-               atomic: bool = True) -> int:
+               atomic: bool = True, engine=None) -> int:
     """Write `tensors` (in the given order) as a standard .safetensors file whose data section
     starts on an `align_bytes` boundary. With `atomic`, the bytes go to a temporary name, are
     fsynced, and are renamed over `path` (then the directory is fsynced), so a crash leaves
-    either the old file or the complete new one. Returns the file size in bytes."""
+    either the old file or the complete new one. With an `nvme.IOEngine`, the tensors' bytes
+    are written through it, all at once (O_DIRECT where aligned). Returns the file size."""
     path = os.fspath(path)
     header = _header_bytes(tensors, metadata, align_bytes)
     target = f"{path}.tmp.{os.getpid()}" if atomic else path
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         total = _write_all(fd, memoryview(header), target)
-        for t in tensors.values():
-            if t.numel():
-                cpu = t.detach().to("cpu").contiguous()
-                total += _write_all(fd, tensor_bytes(cpu), target)
+        if engine is not None:
+            total += _write_with_engine(engine, target, len(header), tensors)
+        else:
+            for t in tensors.values():
+                if t.numel():
+                    cpu = t.detach().to("cpu").contiguous()
+                    total += _write_all(fd, tensor_bytes(cpu), target)
         if atomic:
             os.fsync(fd)
     except BaseException:
@@ -266,6 +289,21 @@ def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     if atomic:
         os.replace(target, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return total
+
+
+def _write_with_engine(engine, path: str, offset: int, tensors: Mapping[str, torch.Tensor]) -> int:
+    handles, total = [], 0
+    try:
+        for t in tensors.values():
+            cpu = t.detach().to("cpu").contiguous()
+            nbytes = cpu.numel() * cpu.element_size()
+            if nbytes:
+                handles.append(engine.submit_write(path, offset, cpu))
+            offset += nbytes
+            total += nbytes
+    finally:
+        engine.wait_all(handles)  # even on error: no write may still touch the file afterwards
     return total
 
 
