@@ -46,6 +46,8 @@ def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | 
         msg = str(e).strip().splitlines()
         print(f"error: {' '.join(line.strip() for line in msg) or type(e).__name__}", file=sys.stderr)
         return EXIT_USAGE
+    except SystemExit as e:  # argparse's usage errors (already printed as one line)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

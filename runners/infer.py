@@ -58,6 +58,8 @@ def build_parser() -> Parser:
     add_budget_args(p)
     p.add_argument("--mode", default="latency", choices=MODES)
     p.add_argument("--nvme-ahead", type=int, default=2, help="blocks read ahead from NVMe")
+    p.add_argument("--probe-seconds", type=float, default=1.0,
+                   help="time spent measuring link bandwidths at start-up")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--output-json", metavar="FILE")
     return p
@@ -179,7 +181,7 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
     dev_free = device_free_bytes(device)
     dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
     shards = sorted({loc.path for loc in reader.locations.values()}) if reader else []
-    links = measure_links(device, shards, seconds=1.0)
+    links = measure_links(device, shards, seconds=args.probe_seconds)
     plan = plan_inference(
         block_bytes=[block] * L, stored_block_bytes=stored,
         non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item,

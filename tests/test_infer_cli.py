@@ -1,0 +1,136 @@
+"""python -m runners.infer: identical greedy output across --weights tiers and a planner mix
+(against transformers), text prompts through tokenizer.json, and one clean error line with exit
+code 2 for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from offload.models import build_model, preset, save_pretrained
+from runners.common import run_main
+from runners.infer import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IDS = "3,14,15,92,65,35"
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    cfg = preset("tiny").replace(initializer_range=0.2, eos_token_id=None)
+    save_pretrained(build_model(cfg, "cpu", torch.float32, source=21), path)
+    return path
+
+
+def _run(argv, capsys) -> tuple[int, str, str]:
+    rc = run_main(main, [str(a) for a in argv] + ["--probe-seconds", "0.05"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_tiers_and_planner_mix_match_transformers(ckpt, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    prompt = [int(x) for x in IDS.split(",")]
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    base = ["--model", ckpt, "--prompt-ids", IDS, "--max-new-tokens", NEW]
+    # size a budget that holds all-NVMe streaming (2 slots) plus one resident block: a planner mix
+    one_ahead = ["--nvme-ahead", "1"]
+    rc, _, _ = _run(base + one_ahead + ["--weights", "nvme", "--dry-run", "--output-json",
+                                        tmp_path / "p.json"], capsys)
+    plan = _json(tmp_path / "p.json")["plan"]
+    budget = plan["device_need"] + plan["block_bytes"][0] + 1000
+    runs = {w: ["--weights", w] for w in ("device", "cpu", "nvme")}
+    runs["mix"] = ["--cpu-memory", str(budget)] + one_ahead
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.json"
+        rc, stdout, err = _run(base + extra + ["--output-json", out], capsys)
+        assert rc == 0, err
+        res = _json(out)
+        assert res["generated_ids"] == [want], name
+        assert "prefill" in err and "floor" in err and "peak memory" in err
+        assert stdout.split() == [str(t) for t in want]  # streamed as produced
+    mix = _json(tmp_path / "mix.json")
+    assert mix["metrics"]["blocks_per_tier"] == {"device": 1, "cpu": 0, "nvme": 3}
+    assert mix["metrics"]["bytes_per_token"]["nvme"] > 0
+
+
+def test_text_prompt_through_tokenizer(ckpt, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["<unk>", "hello", "world", "offload"] + [f"w{i}" for i in range(1020)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    for f in os.listdir(ckpt):
+        os.symlink(os.path.join(ckpt, f), model_dir / f)
+    tok.save(str(model_dir / "tokenizer.json"))
+    out = tmp_path / "o.json"
+    rc, stdout, err = _run(["--model", model_dir, "--prompt", "hello world", "--prompt", "offload",
+                            "--max-new-tokens", 4, "--output-json", out], capsys)
+    assert rc == 0, err
+    res = _json(out)
+    assert len(res["generated_ids"]) == 2 and len(res["text"]) == 2
+    assert res["text"][0] == tok.decode(res["generated_ids"][0])
+    rc, _, err = _run(["--model", model_dir, "--prompt", "hello", "--chat"], capsys)
+    assert rc == 2 and "chat_template" in err
+
+
+def _bad(argv, capsys, needle: str) -> None:
+    rc, _, err = _run(argv, capsys)
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error:") and needle in lines[-1], err
+    assert "Traceback" not in err
+
+
+def test_bad_input_is_one_line_exit_2(ckpt, tmp_path, capsys):
+    _bad(["--model", tmp_path / "missing"], capsys, "no such directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _bad(["--model", empty], capsys, "config.json")
+    gpt = tmp_path / "gpt2"
+    gpt.mkdir()
+    (gpt / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                "model_type": "gpt2"}))
+    _bad(["--model", gpt], capsys, "not supported")
+    _bad(["--model", ckpt, "--prompt-ids", "1,2,5000"], capsys, "out of range")
+    _bad(["--model", ckpt, "--prompt-ids", "1,x"], capsys, "comma-separated")
+    if not torch.cuda.is_available():
+        _bad(["--model", ckpt, "--gpu", "1"], capsys, "no CUDA device")
+    _bad(["--model", ckpt, "--cpu-memory", "100KiB"], capsys, "below one block")
+    _bad(["--model", ckpt, "--cpu-memory", "lots"], capsys, "--cpu-memory")
+    _bad(["--model", ckpt, "--prompt", "hello"], capsys, "tokenizer.json")
+    _bad(["--model", ckpt, "--weights", "device", "--cpu-memory", "66MB"], capsys, "--weights auto")
+    _bad(["--model", "nosuchpreset"], capsys, "not a preset")
+    _bad(["--model", ckpt, "--max-new-tokens", "0"], capsys, "--max-new-tokens")
+    _bad(["--model", ckpt, "--weights", "gpu"], capsys, "invalid choice")
+
+
+def test_module_entry_point_default_preset(tmp_path):
+    """The real command, as a user runs it: a random tiny preset, generated into the cache dir."""
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, "-m", "runners.infer", "--offload-dir", tmp_path, "--max-new-tokens", 5,
+           "--output-json", out]
+    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "RANDOM weights" in proc.stderr and "speed, not text" in proc.stderr
+    res = _json(out)
+    assert len(res["generated_ids"]) == 1 and len(res["generated_ids"][0]) <= 5
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "floor_s_per_token",
+                "peak_device_bytes", "peak_host_bytes", "link_gbps"):
+        assert key in res["metrics"]
+    assert os.path.isfile(tmp_path / "tiny-seed0-fp32" / "config.json")
