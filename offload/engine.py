@@ -28,13 +28,12 @@ import torch
 from torch import nn
 
 from offload.blocks import Block, bind_views, gather_flat, group_blocks, move_frozen_and_buffers
-from offload.config import ConfigError, OffloadConfig, as_config, format_bytes
+from offload.config import ConfigError, OffloadConfig, as_config
 from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
-from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, check_fits, device_free_bytes,
-                           disk_free_bytes, format_report, host_empty, host_free_bytes,
-                           peak_rss_bytes)
+from offload.tiers import BudgetError, LinkCounter, MemoryAccount, format_report, host_empty, peak_rss_bytes
+from offload.train_plan import plan_training
 
 
 class StateError(RuntimeError):
@@ -142,6 +141,7 @@ class Engine:
             self._upload_done: list[torch.cuda.Event | None] = [None] * ring
             self.account.add("host", "buffers", ring * max_numel * self.dtype.itemsize)
         self._fwd_t0: float | None = None
+        self._link_mark = {k: v.nbytes for k, v in self.links.items()}
         self._hooks = [model.register_forward_pre_hook(self._on_forward_start),
                        model.register_forward_hook(self._on_forward_end)]
 
@@ -154,38 +154,9 @@ class Engine:
         return layers[::-1] + rest
 
     def _check_budgets(self) -> None:
-        cfg, total = self.cfg, sum(b.numel for b in self.blocks)
-        max_numel = max(b.numel for b in self.blocks)
-        itemsize = self.dtype.itemsize
-        grad_bytes = total * (4 if cfg.grad_accum_steps > 1 else itemsize)
-        state_bytes = total * 12
-        need = {"device": total * itemsize, "host": 0, "nvme": 0}
-        if cfg.offload == "none":
-            need["device"] += state_bytes + grad_bytes
-        else:
-            need["host"] += grad_bytes
-            if cfg.offload == "cpu":
-                need["host"] += state_bytes
-            else:
-                need["host"] += cfg.buffer_count * max_numel * 12
-                need["nvme"] += state_bytes
-        hint_host = ("use offload='nvme' to keep optimizer state on disk, or raise host_budget"
-                     if cfg.offload == "cpu" else "lower buffer_count or raise host_budget")
-        check_fits("device", need["device"], cfg.budget_bytes("device"),
-                   device_free_bytes(self.device), f"{total / 1e6:.1f}M parameters in "
-                   f"{cfg.dtype}" + (" with optimizer state" if cfg.offload == "none" else ""),
-                   "use offload='cpu' or 'nvme', a smaller model, or raise device_budget")
-        check_fits("host", need["host"], cfg.budget_bytes("host"), host_free_bytes(),
-                   f"offload={cfg.offload!r} (gradients {format_bytes(grad_bytes)})", hint_host)
-        if self.device.type == "cpu":  # device and host are the same RAM: both must fit at once
-            check_fits("host", need["device"] + need["host"], None, host_free_bytes(),
-                       "device weights plus host state (the device is the CPU)",
-                       "use offload='nvme' or a smaller model")
-        if cfg.offload == "nvme":
-            check_fits("nvme", need["nvme"], cfg.budget_bytes("nvme"),
-                       disk_free_bytes(cfg.nvme_dir), "optimizer state (fp32 master + 2 moments)",
-                       f"free disk space under {cfg.nvme_dir} or choose another nvme_dir")
-        self.planned_bytes = need
+        """Refuse, before allocating anything, a configuration whose tiers do not fit."""
+        self.plan = plan_training([b.numel for b in self.blocks], self.cfg, self.device)
+        self.plan.check()
 
     def _make_state(self):
         cfg = self.cfg
@@ -205,7 +176,8 @@ class Engine:
 
     # -- timing hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args) -> None:
-        self._fwd_t0 = time.perf_counter()
+        # only training forwards count toward the update's time split (not evaluation)
+        self._fwd_t0 = time.perf_counter() if torch.is_grad_enabled() else None
 
     def _on_forward_end(self, module, args, output) -> None:
         if self._fwd_t0 is not None:
@@ -235,7 +207,7 @@ class Engine:
         t_step = time.perf_counter()
         rep = self._pending
         self._pending = StepReport()
-        before = {k: v.nbytes for k, v in self.links.items()}
+        before = self._link_mark  # bytes moved since the last update (backward's d2h included)
         rep.grad_wait_s = self.grads.wait()
         self.grads.finish_window()
         grad_scale, norm = self._grad_scale()
@@ -253,6 +225,7 @@ class Engine:
     def _finish_report(self, rep: StepReport, t_step: float, before: dict[str, int]) -> None:
         rep.step_s = time.perf_counter() - t_step
         rep.bytes = {k: v.nbytes - before[k] for k, v in self.links.items()}
+        self._link_mark = {k: v.nbytes for k, v in self.links.items()}
         self.last_report = rep
 
     def _grad_scale(self) -> tuple[float | None, float | None]:
@@ -364,6 +337,14 @@ class Engine:
             flat = self.state.read(bi, "master")
             out.update({k: v.clone() for k, v in block.views(flat).items()})
         return out
+
+    def iter_master_params(self):
+        """(name, fp32 CPU tensor) one block at a time — the non-layer block first, then the
+        layers in order (checkpoint order) — so exporting a model holds one block in memory."""
+        order = [i for i, b in enumerate(self.blocks) if b.module is None] + \
+                [i for i, b in enumerate(self.blocks) if b.module is not None]
+        for bi in order:
+            yield from self.blocks[bi].views(self.state.read(bi, "master")).items()
 
     def optimizer_state(self, bi: int) -> dict[str, torch.Tensor]:
         """Copies of block bi's flat fp32 state: master, exp_avg, exp_avg_sq."""

@@ -1,0 +1,117 @@
+"""Training checkpoints: the model in Hugging Face layout plus the full training state, saved
+atomically.
+
+    OUTPUT/checkpoint/
+        model/               config.json + safetensors shards (transformers and runners.infer load it)
+        engine/              masters, moments, loss scale, step counters (Engine.save_state)
+        trainer_state.json   step, data position, RNG states, loss history, run arguments
+
+A save builds everything in `checkpoint.tmp/`, fsyncs it, then swaps directories with two
+renames (`checkpoint` -> `checkpoint.old`, `checkpoint.tmp` -> `checkpoint`) and removes the
+old one. A crash at any moment leaves `checkpoint` or `checkpoint.old` complete;
+`find_checkpoint` picks whichever is complete (trainer_state.json is written last, so its
+presence marks a complete directory).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from nvme.format import fsync_dir
+
+TRAINER_STATE = "trainer_state.json"
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """No complete checkpoint where one was asked for."""
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, str]:
+    """Every RNG a training step may draw from, as JSON-safe strings."""
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode()
+                         for s in torch.cuda.get_rng_state_all()]  # type: ignore[assignment]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    def decode(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+    torch.set_rng_state(decode(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+
+
+def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[str, Any],
+                    export_dtype: torch.dtype) -> str:
+    """Atomically (re)write `directory` with the model, the engine state and `trainer_state`."""
+    from offload.models import save_pretrained
+
+    directory = os.path.abspath(directory)
+    tmp, old = directory + ".tmp", directory + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    engine.save_state(os.path.join(tmp, "engine"))
+    save_pretrained(engine.iter_master_params(), os.path.join(tmp, "model"), config=model_config,
+                    dtype=export_dtype)
+    write_json_atomic(os.path.join(tmp, TRAINER_STATE), trainer_state)
+    _fsync_tree(tmp)
+    if os.path.exists(directory):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    fsync_dir(os.path.dirname(directory))
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, TRAINER_STATE))
+
+
+def find_checkpoint(path: str) -> str:
+    """The complete checkpoint under `path`: `path` itself, `path/checkpoint`, or the `.old`
+    twin of either when a crash interrupted the swap."""
+    for candidate in (path, os.path.join(path, "checkpoint")):
+        for c in (candidate, candidate + ".old"):
+            if is_complete(c):
+                return c
+    raise CheckpointNotFound(f"--resume {path}: no complete checkpoint there (expected "
+                             f"{os.path.join(path, 'checkpoint', TRAINER_STATE)}); was the run "
+                             f"saved with --output {path}?")
+
+
+def load_trainer_state(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointNotFound(f"{os.path.join(path, TRAINER_STATE)}: unreadable ({e})") from None

@@ -1,0 +1,397 @@
+"""python -m runners.finetune: fine-tune a Llama-family model with offloaded optimizer state.
+
+With no arguments it fine-tunes the built-in tiny model on the built-in corpus on the CPU,
+fp32 masters and Adam moments in host RAM; `--offload nvme` sends them through swap files.
+With --model DIR (a Hugging Face checkpoint) and --data it is the same command a user runs on a
+workstation GPU (--gpu 0).
+
+Policy only: the mechanisms (engine, data, checkpoints, plan) live in `offload`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from runners.cli import fail, pick_device, run_main
+
+DEFAULTS = dict(model="tiny", offload="cpu", dtype="fp32", steps=100, batch_size=16,
+                micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+                weight_decay=0.0, grad_clip=1.0, eval_every=50, save_every=0, seed=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m runners.finetune", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = DEFAULTS
+    ap.add_argument("--model", default=d["model"], help="a Hugging Face checkpoint directory or a preset "
+                    "name (tiny, small, 1B, 3B, 7B, 8B, 13B, 70B, ...; presets start from random weights)")
+    ap.add_argument("--data", default=None, help="a .txt file, a .jsonl file ('text' or 'prompt'/'response' "
+                    "per line) or a directory of them; default: the built-in corpus")
+    ap.add_argument("--offload", choices=["none", "cpu", "nvme"], default=None,
+                    help=f"where fp32 masters and Adam moments live (default {d['offload']})")
+    ap.add_argument("--offload-dir", default=None, help="directory for NVMe swap files "
+                    "(default: OUTPUT/swap); only with --offload nvme")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                    help=f"weights/gradients dtype on the device (default {d['dtype']})")
+    ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
+    ap.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per update")
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward/backward; "
+                    "gradient accumulation = batch-size / micro-batch-size (default: batch-size)")
+    ap.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens per sequence")
+    ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d['lr']}); "
+                    "linear warmup then cosine decay")
+    ap.add_argument("--warmup-steps", type=int, default=d["warmup_steps"], help="linear warmup updates")
+    ap.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],
+                    help="final learning rate as a fraction of --lr")
+    ap.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay (default {d['weight_decay']})")
+    ap.add_argument("--grad-clip", type=float, default=None, help=f"max global gradient L2 norm, 0 = off "
+                    f"(default {d['grad_clip']})")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
+    ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="updates between held-out "
+                    "evaluations (0 = only at start and end)")
+    ap.add_argument("--save-every", type=int, default=d["save_every"], help="updates between checkpoints "
+                    "(0 = only at the end)")
+    ap.add_argument("--output", default="runs/finetune", help="output directory: model/ (Hugging Face "
+                    "layout), checkpoint/ (resumable), metrics.jsonl, loss.png")
+    ap.add_argument("--resume", default=None, help="continue from a checkpoint (an --output dir or its "
+                    "checkpoint/ dir); the model and data must be the same")
+    ap.add_argument("--stop-after", type=int, default=None, help="stop after this many updates of this "
+                    "invocation and save a resumable checkpoint (wall-time-limited jobs); the learning-rate "
+                    "schedule still spans --steps")
+    ap.add_argument("--seed", type=int, default=d["seed"], help="seed for init and data order")
+    ap.add_argument("--gpu", type=int, default=None, help="CUDA device index (absent: CPU)")
+    ap.add_argument("--config", default=None, help="a JSON file of engine options (our keys or DeepSpeed's "
+                    "zero_optimization/aio/fp16/bf16/optimizer keys); flags given explicitly win")
+    ap.add_argument("--gpu-memory", default=None, help="device budget, e.g. 20GiB (default: free memory)")
+    ap.add_argument("--cpu-memory", default=None, help="host budget, e.g. 12GiB (default: available RAM)")
+    ap.add_argument("--metrics", default=None, help="JSONL file, one line per update (default OUTPUT/metrics.jsonl)")
+    ap.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning rate for update number `step` (0-based): linear warmup, cosine to min_ratio."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    mb = args.micro_batch_size or args.batch_size
+    if mb < 1 or mb > args.batch_size or args.batch_size % mb:
+        fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
+    if args.offload_dir is not None and args.offload not in (None, "nvme"):
+        fail(f"--offload-dir is only used with --offload nvme (got --offload {args.offload})")
+    if args.stop_after is not None and args.stop_after < 1:
+        fail(f"--stop-after must be at least 1, got {args.stop_after}")
+    if args.warmup_steps < 0 or args.eval_every < 0 or args.save_every < 0:
+        fail("--warmup-steps, --eval-every and --save-every must be >= 0")
+    if not 0 <= args.min_lr_ratio <= 1:
+        fail(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+
+
+def engine_config(args: argparse.Namespace, device: torch.device):
+    """The config file (if any) as the base, explicit flags over it, defaults under both."""
+    from offload.config import OffloadConfig, load_config_file
+
+    base = load_config_file(args.config).to_dict() if args.config else {}
+    explicit = {"offload": args.offload, "dtype": args.dtype, "lr": args.lr,
+                "weight_decay": args.weight_decay, "grad_clip": args.grad_clip}
+    for key, value in explicit.items():
+        if value is not None:
+            base[key] = value
+        elif key not in base or not args.config:
+            base[key] = DEFAULTS[key]
+    base["grad_accum_steps"] = args.batch_size // (args.micro_batch_size or args.batch_size)
+    base["device"] = str(device)
+    base["device_budget"] = args.gpu_memory or base.get("device_budget")
+    base["host_budget"] = args.cpu_memory or base.get("host_budget")
+    if base["offload"] == "nvme":
+        base["nvme_dir"] = args.offload_dir or base.get("nvme_dir") or os.path.join(args.output, "swap")
+    elif args.offload_dir:
+        fail(f"--offload-dir is only used with --offload nvme (the config says offload={base['offload']})")
+    return OffloadConfig(**base)
+
+
+def check_writable(path: str, what: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("x")
+        os.unlink(probe)
+    except OSError as e:
+        fail(f"{what} {path}: not writable ({e.strerror}); choose a directory on a writable disk")
+
+
+def load_model(args: argparse.Namespace):
+    """(model on meta, its config, the source that fills it block by block, tokenizer)."""
+    from offload.data import ByteTokenizer
+    from offload.models import CheckpointReader, build_model, init_parameter_, preset
+
+    if os.path.isdir(args.model):
+        reader = CheckpointReader(args.model)
+        cfg, source = reader.config, reader
+        tok_path = os.path.join(args.model, "tokenizer.json")
+        tokenizer = _hf_tokenizer(tok_path) if os.path.exists(tok_path) else ByteTokenizer()
+    elif os.sep in args.model or args.model.startswith("."):
+        fail(f"--model {args.model}: no such directory (give a checkpoint directory or a preset name)")
+    else:
+        cfg = preset(args.model)
+        seed = args.seed
+
+        def source(tensors: dict[str, torch.Tensor]) -> None:
+            for name, t in tensors.items():
+                init_parameter_(name, t, seed, cfg.initializer_range)
+        tokenizer = ByteTokenizer()
+    if tokenizer.vocab_size > cfg.vocab_size:
+        fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+             f"{cfg.vocab_size}")
+    return build_model(cfg, device="meta"), cfg, source, tokenizer
+
+
+class _HFTokenizer:
+    def __init__(self, tok):
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        self.eos_id = self._special(("</s>", "<|end_of_text|>", "<|endoftext|>", "<|im_end|>"))
+        self.bos_id = self._special(("<s>", "<|begin_of_text|>"))
+
+    def _special(self, names):
+        for n in names:
+            i = self._tok.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _hf_tokenizer(path: str):
+    from tokenizers import Tokenizer
+
+    try:
+        tok = _HFTokenizer(Tokenizer.from_file(path))
+    except Exception as e:  # the tokenizers library raises plain Exceptions for bad files
+        fail(f"{path}: cannot load tokenizer ({e})")
+    if tok.eos_id is None:
+        fail(f"{path}: no end-of-text token found; cannot separate documents")
+    return tok
+
+
+class StopRequested:
+    """Ctrl-C / SIGTERM set a flag; the loop stops at the next update boundary and saves."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this update and saving a checkpoint "
+              f"(press again to abort without saving)", file=sys.stderr)
+
+
+def evaluate(model, data, micro_batch: int, device: torch.device) -> float:
+    from offload.data import eval_batches, masked_lm_loss
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in eval_batches(data, micro_batch):
+            ids, mask = ids.to(device), mask.to(device)
+            logits = model(ids[:, :-1])
+            n = int(mask.sum())
+            total += float(masked_lm_loss(logits, ids[:, 1:], mask)) * n
+            count += n
+    return total / max(count, 1)
+
+
+def run(args: argparse.Namespace) -> int:
+    import offload
+    from offload.activations import enable_activation_checkpointing
+    from offload.blocks import group_blocks
+    from offload.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
+    from offload.data import BatchOrder, load_documents, pack, tokenize
+    from offload.train_plan import plan_training
+    from runners.report import Banner
+
+    check_args(args)
+    device = pick_device(args.gpu)
+    cfg = engine_config(args, device)
+    model, model_cfg, source, tokenizer = load_model(args)
+    micro = args.micro_batch_size or args.batch_size
+    blocks, _ = group_blocks(model)
+    plan = plan_training([b.numel for b in blocks], cfg, device)
+    banner = Banner(args, cfg, model_cfg, plan, device)
+    print(banner.render())
+    if args.dry_run:
+        plan.check()
+        print("dry run: the plan fits; nothing was allocated")
+        return 0
+
+    resume_dir = find_checkpoint(args.resume) if args.resume else None
+    trainer: dict[str, Any] = load_trainer_state(resume_dir) if resume_dir else {}
+    if trainer and trainer.get("model_config") != model_cfg.to_hf():
+        fail(f"--resume {args.resume}: the checkpoint is from a different model "
+             f"({trainer.get('model_config', {}).get('architectures')}, "
+             f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
+    check_writable(args.output, "--output")
+    if cfg.offload == "nvme":
+        check_writable(cfg.nvme_dir, "--offload-dir")
+
+    docs = load_documents(args.data)
+    ids, mask = tokenize(docs, tokenizer.encode, tokenizer.eos_id, getattr(tokenizer, "bos_id", None))
+    data = pack(ids, mask, args.seq_len)
+    order = BatchOrder(data.train_ids.shape[0], args.seed, trainer.get("data_position", 0))
+    if trainer and trainer.get("data_fingerprint") != [int(ids.numel()), int(ids[:4096].sum())]:
+        fail(f"--resume {args.resume}: the data differs from the run that saved the checkpoint")
+
+    torch.manual_seed(args.seed)
+    engine = offload.initialize(model, cfg, source=source)
+    if args.activation_checkpointing:
+        enable_activation_checkpointing(model.model.layers)
+    if resume_dir:
+        engine.load_state(os.path.join(resume_dir, "engine"))
+        set_rng_state(trainer["rng"])
+        print(f"resumed from {resume_dir} at update {engine.global_step}")
+    history: list[dict[str, Any]] = trainer.get("history", [])
+    stop = StopRequested()
+    try:
+        return _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
+                      stop, trainer, resume_dir, history)
+    finally:
+        stop.restore()
+
+
+def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg, stop, trainer,
+           resume_dir, history) -> int:
+    from offload.checkpoint import rng_state, save_checkpoint
+    from offload.data import masked_lm_loss
+    from runners.report import summary_table, write_loss_plot
+
+    metrics_path = args.metrics or os.path.join(args.output, "metrics.jsonl")
+    metrics = open(metrics_path, "a" if resume_dir else "w")
+    export_dtype = cfg.torch_dtype
+    totals: dict[str, float] = {}
+
+    def checkpoint() -> str:
+        state = {"step": engine.global_step, "data_position": order.position, "rng": rng_state(),
+                 "history": history, "model_config": model_cfg.to_hf(),
+                 "data_fingerprint": [int(ids.numel()), int(ids[:4096].sum())],
+                 "eval_loss0": eval_loss0,
+                 "args": {k: v for k, v in vars(args).items()}}
+        return save_checkpoint(os.path.join(args.output, "checkpoint"), engine, model_cfg, state,
+                               export_dtype)
+
+    eval_loss0 = evaluate(model, data, micro, device) if not resume_dir else trainer.get("eval_loss0")
+    if not resume_dir:
+        print(f"step 0: eval loss {eval_loss0:.4f}")
+    progress = _progress(args, engine.global_step)
+    t_run = time.perf_counter()
+    tokens_run = 0
+    start_step = engine.global_step
+    while engine.global_step < args.steps and stop.signal is None and (
+            args.stop_after is None or engine.global_step - start_step < args.stop_after):
+        step = engine.global_step
+        engine.set_lr(lr_at(step, cfg.lr, args.warmup_steps, args.steps, args.min_lr_ratio))
+        t0 = time.perf_counter()
+        batch = order.take(args.batch_size)
+        loss_sum = 0.0
+        for i in range(0, args.batch_size, micro):
+            sel = batch[i:i + micro]
+            seq, tmask = data.train_ids[sel].to(device), data.train_mask[sel].to(device)
+            loss = masked_lm_loss(model(seq[:, :-1]), seq[:, 1:], tmask)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().item()
+        dt = time.perf_counter() - t0
+        rep = engine.last_report
+        tokens = args.batch_size * args.seq_len
+        tokens_run += tokens
+        for k in ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s"):
+            totals[k] = totals.get(k, 0.0) + getattr(rep, k)
+        for k, v in rep.bytes.items():
+            totals["bytes_" + k] = totals.get("bytes_" + k, 0) + v
+        totals["step_s"] = totals.get("step_s", 0.0) + dt
+        row = {"step": engine.global_step, "loss": loss_sum * micro / args.batch_size,
+               "lr": engine.lr, "tokens_per_s": tokens / dt, "step_s": dt, "applied": rep.applied,
+               "loss_scale": rep.loss_scale, "grad_norm": rep.grad_norm,
+               "time": {k: getattr(rep, k) for k in ("forward_s", "backward_s", "grad_wait_s",
+                                                      "cpu_step_s", "io_wait_s", "upload_s")}}
+        if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
+            row["eval_loss"] = evaluate(model, data, micro, device)
+        history.append({k: row[k] for k in ("step", "loss") if k in row} |
+                       ({"eval_loss": row["eval_loss"]} if "eval_loss" in row else {}))
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+        if progress is not None:
+            progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                 step_s=f"{dt:.3f}")
+            progress.update(1)
+        if args.save_every and engine.global_step % args.save_every == 0 and engine.global_step < args.steps:
+            checkpoint()
+    if progress is not None:
+        progress.close()
+    metrics.close()
+    wall = time.perf_counter() - t_run
+    path = checkpoint()
+    if stop.signal is not None:
+        engine.close()
+        print(f"stopped by {signal.Signals(stop.signal).name} at update {engine.global_step}; "
+              f"resumable checkpoint: {path}  (continue with --resume {args.output})", file=sys.stderr)
+        return 128 + stop.signal
+    if engine.global_step < args.steps:
+        engine.close()
+        print(f"stopped after {engine.global_step - start_step} updates (--stop-after) at update "
+              f"{engine.global_step} of {args.steps}; resumable checkpoint: {path}  (continue with "
+              f"--resume {args.output})")
+        return 0
+    final_model = os.path.join(args.output, "model")
+    from offload.models import save_pretrained
+    save_pretrained(engine.iter_master_params(), final_model, config=model_cfg, dtype=export_dtype)
+    eval_final = next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None)
+    print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final))
+    png = write_loss_plot(history, os.path.join(args.output, "loss.png"))
+    print(f"model (Hugging Face layout): {final_model}\ncheckpoint: {path}\nmetrics: {metrics_path}"
+          + (f"\nloss curve: {png}" if png else ""))
+    engine.close()
+    return 0
+
+
+def _progress(args: argparse.Namespace, start: int):
+    if args.no_progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_main(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""What a fine-tuning run prints: the start banner (each choice and why), the end summary
+(time split, bytes per link, peak memory per tier), and a loss-curve PNG where matplotlib is
+installed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from offload.config import OffloadConfig, format_bytes
+
+
+class Banner:
+    def __init__(self, args: argparse.Namespace, cfg: OffloadConfig, model_cfg, plan,
+                 device: torch.device):
+        self.args, self.cfg, self.model_cfg, self.plan, self.device = args, cfg, model_cfg, plan, device
+
+    def render(self) -> str:
+        a, cfg, m = self.args, self.cfg, self.model_cfg
+        source = (f"checkpoint {a.model}" if os.path.isdir(a.model)
+                  else f"preset {a.model!r}, random init (seed {a.seed})")
+        why_device = (f"--gpu {a.gpu}" if a.gpu is not None else
+                      "no --gpu given" + (" (a GPU is visible: add --gpu 0 to use it)"
+                                          if torch.cuda.is_available() else ""))
+        why_offload = {"none": "everything on the device (the plain reference path)",
+                       "cpu": "fp32 masters + Adam moments in host RAM"
+                              + (" (pinned)" if cfg.pin_memory and self.device.type == "cuda" else ""),
+                       "nvme": f"fp32 masters + Adam moments in swap files under {cfg.nvme_dir}, "
+                               f"{cfg.buffer_count} staging buffers, read ahead during forward/backward"}
+        accum = cfg.grad_accum_steps
+        lines = [
+            "offload finetune",
+            f"  model     {m.architecture}, {m.num_hidden_layers} layers, hidden {m.hidden_size}, "
+            f"vocab {m.vocab_size} — {source}",
+            f"  device    {self.device} ({why_device})",
+            f"  dtype     {cfg.dtype} weights and gradients on the device"
+            + (", dynamic loss scaling" if cfg.dtype == "fp16" else ""),
+            f"  offload   {cfg.offload}: {why_offload[cfg.offload]}",
+            f"  batch     {a.batch_size} x {a.seq_len} tokens"
+            + (f" = {accum} micro-batches of {a.batch_size // accum}" if accum > 1 else "")
+            + f", {a.steps} updates, lr {cfg.lr:g} (warmup {a.warmup_steps}, cosine), "
+              f"clip {cfg.grad_clip:g}, weight decay {cfg.weight_decay:g}",
+            f"  budgets   device {_budget(cfg.budget_bytes('device'))}, host "
+            f"{_budget(cfg.budget_bytes('host'))}"
+            + (f", nvme {_budget(cfg.budget_bytes('nvme'))}" if cfg.offload == "nvme" else ""),
+        ]
+        if a.activation_checkpointing:
+            lines.append("  activations checkpointed per block (recomputed in backward)")
+        lines += ["  " + line for line in self.plan.format().splitlines()]
+        return "\n".join(lines)
+
+
+def _budget(b: int | None) -> str:
+    return "free memory" if b is None else format_bytes(b)
+
+
+def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
+                  eval_loss0: float | None, eval_final: float | None) -> str:
+    """Time split, bytes per link, peak memory per tier — the run's own account."""
+    step_s = max(totals.get("step_s", 0.0), 1e-9)
+    parts = [("forward", totals.get("forward_s", 0.0)), ("backward", totals.get("backward_s", 0.0)),
+             ("gradient offload wait", totals.get("grad_wait_s", 0.0)),
+             ("CPU optimizer step", totals.get("cpu_step_s", 0.0)),
+             ("optimizer-state IO wait", totals.get("io_wait_s", 0.0)),
+             ("weight upload", totals.get("upload_s", 0.0))]
+    other = step_s - sum(v for _, v in parts)
+    lines = ["", f"summary: {tokens} tokens in {wall_s:.1f} s ({tokens / max(wall_s, 1e-9):.0f} tokens/s)"]
+    if eval_loss0 is not None and eval_final is not None:
+        lines.append(f"  eval loss {eval_loss0:.4f} -> {eval_final:.4f} "
+                     f"({100 * (1 - eval_final / eval_loss0):.1f}% lower)")
+    lines.append("  time split           seconds   share")
+    for name, v in parts + [("other (data, eval-free loop)", other)]:
+        lines.append(f"    {name:<28} {v:8.2f}  {100 * v / step_s:5.1f}%")
+    lines.append("  bytes per link       total       per update")
+    updates = max(engine.global_step, 1)
+    for link, label in (("d2h", "device->host (grads)"), ("h2d", "host->device (weights)"),
+                        ("nvme_read", "nvme read (state)"), ("nvme_write", "nvme write (state)")):
+        b = totals.get("bytes_" + link, 0)
+        if b:
+            lines.append(f"    {label:<28} {format_bytes(b):>10}  {format_bytes(b / updates):>10}")
+    rep = engine.memory_report()
+    lines.append("  peak memory per tier")
+    for tier in ("device", "host", "nvme"):
+        lines.append(f"    {tier:<28} {format_bytes(rep[tier]['peak']):>10}  (held by the engine)")
+    lines.append(f"    {'process RSS':<28} {format_bytes(rep['process']['peak_rss']):>10}")
+    if "peak_device_allocated" in rep["process"]:
+        lines.append(f"    {'CUDA allocated':<28} {format_bytes(rep['process']['peak_device_allocated']):>10}")
+    return "\n".join(lines)
+
+
+def write_loss_plot(history: list[dict[str, Any]], path: str) -> str | None:
+    """A PNG of train and eval loss per update, when matplotlib is installed (it is optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train")
+    ev = [h for h in history if "eval_loss" in h]
+    if ev:
+        ax.plot([h["step"] for h in ev], [h["eval_loss"] for h in ev], "o-", label="eval")
+    ax.set_xlabel("update")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
