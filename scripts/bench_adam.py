@@ -1,0 +1,160 @@
+"""Benchmark the CPU AdamW step against torch's optimizers and this machine's memory bandwidth.
+
+One run, one set of buffers, all threads (torch.get_num_threads()):
+  (a)  offload.optim.cpu_adamw_step, C kernel: 16-bit grad in -> fp32 master/moments -> 16-bit out
+  (a') the same call on its torch fallback path (chunked torch._fused_adamw_)
+  (b)  the naive composition: grad.float() into an fp32 buffer, torch.optim.AdamW(fused=True),
+       out16.copy_(master) -- three separate passes over memory
+  (b0) torch.optim.AdamW(fused=True) alone, fp32 grad already there (not a full step; reference)
+  (c)  as (b) but with torch.optim.AdamW's default (single-tensor) step
+  copy / triad: torch copy_ and a = b + s*c on large fp32 arrays, the bandwidth the floor uses.
+
+A full step must move 28 B/param (2 B grad + 3 x 4 B read + 3 x 4 B written + 2 B out16), so
+"GB/s eff." is 28 B x params / time for every row and the floor is 28 B x params / triad GB/s.
+Methods run round-robin, one repeat of each per round, so a burst of load from other processes on
+a shared machine hits all of them rather than one; the table reports medians.
+
+    python scripts/bench_adam.py                 # 200M params, 5 repeats
+    python scripts/bench_adam.py --params 50e6 --repeats 9 --dtype fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from offload.optim import BYTES_PER_PARAM_16BIT, active_implementation, cpu_adamw_step  # noqa: E402
+
+HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+BANDWIDTH_ELEMS = 64 * 2**20   # 256 MiB per fp32 array: 8x a 32 MiB L3, so DRAM is what's timed
+
+
+def _median_and_min(times_s: list[float]) -> tuple[float, float]:
+    return statistics.median(times_s), min(times_s)
+
+
+def _torch_optimizer(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     grad32: torch.Tensor, fused: bool) -> torch.optim.Optimizer:
+    """A real torch.optim.AdamW over our own buffers (Parameter shares master's storage; the
+    state is injected), so every method reads and writes the same memory."""
+    param = torch.nn.Parameter(master)
+    param.grad = grad32
+    opt = torch.optim.AdamW([param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], fused=fused,
+                            foreach=None if fused else False)
+    opt.state[param] = {"step": torch.tensor(0.0, dtype=torch.float32), "exp_avg": exp_avg,
+                        "exp_avg_sq": exp_avg_sq}
+    return opt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--params", type=float, default=200e6, help="parameters per step (default 200e6)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per method (default 5)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
+                    help="grad and out16 dtype (default bf16)")
+    ap.add_argument("--skip-default", action="store_true",
+                    help="skip (c), the slow single-tensor torch.optim.AdamW")
+    args = ap.parse_args()
+    n = int(args.params)
+    dtype16 = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    threads = torch.get_num_threads()
+    impl = active_implementation()  # builds the C kernel now, outside the timed region
+
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=gen)
+    exp_avg = torch.randn(n, generator=gen).mul_(1e-3)
+    exp_avg_sq = torch.rand(n, generator=gen).mul_(1e-6)
+    grad16 = torch.randn(n, generator=gen).mul_(1e-3).to(dtype16)
+    out16 = torch.empty(n, dtype=dtype16)
+    grad32 = torch.empty(n, dtype=torch.float32)
+    bw_a, bw_b, bw_c = (torch.rand(BANDWIDTH_ELEMS, generator=gen) for _ in range(3))
+
+    step_counter = [0]
+
+    def ours(which: str) -> Callable[[], None]:
+        def run() -> None:
+            step_counter[0] += 1
+            cpu_adamw_step(master, exp_avg, exp_avg_sq, grad16, step=step_counter[0], out16=out16,
+                           impl=which, **HYPER)
+        return run
+
+    fused_opt = _torch_optimizer(master, exp_avg, exp_avg_sq, grad32, fused=True)
+    default_opt = _torch_optimizer(master, exp_avg, exp_avg_sq, grad32, fused=False)
+
+    def naive(opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def run() -> None:
+            grad32.copy_(grad16)      # pass 1: upcast
+            opt.step()                # pass 2: the optimizer
+            out16.copy_(master)       # pass 3: copy-out
+        return run
+
+    grad32.copy_(grad16)
+    methods: dict[str, tuple[Callable[[], None], float]] = {
+        # name: (callable, bytes per element it is credited with for the bandwidth rows)
+        "copy": (lambda: bw_a.copy_(bw_b), 8.0),
+        "triad": (lambda: torch.add(bw_b, bw_c, alpha=1.5, out=bw_a), 12.0),
+        f"(a) cpu_adamw_step [{impl}]": (ours(impl), 0.0),
+        "(a') cpu_adamw_step [torch fallback]": (ours("torch"), 0.0),
+        "(b) upcast + AdamW(fused=True) + copy-out": (naive(fused_opt), 0.0),
+        "(b0) AdamW(fused=True) alone, fp32 grad": (fused_opt.step, 0.0),
+    }
+    if impl == "torch":
+        del methods["(a') cpu_adamw_step [torch fallback]"]
+    if not args.skip_default:
+        methods["(c) upcast + AdamW default + copy-out"] = (naive(default_opt), 0.0)
+
+    load_before = os.getloadavg()
+    for fn, _ in methods.values():   # warm-up: page faults, lazy init, kernel build
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(args.repeats):
+        for name, (fn, _) in methods.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    load_after = os.getloadavg()
+
+    copy_gbs = 8.0 * BANDWIDTH_ELEMS / _median_and_min(times["copy"])[0] / 1e9
+    triad_gbs = 12.0 * BANDWIDTH_ELEMS / _median_and_min(times["triad"])[0] / 1e9
+    floor_s = BYTES_PER_PARAM_16BIT * n / (triad_gbs * 1e9)
+    base_name = "(b) upcast + AdamW(fused=True) + copy-out"
+    base_s = _median_and_min(times[base_name])[0]
+
+    print(f"# CPU AdamW step, {n / 1e6:.0f}M params, {args.dtype} grad/out, {threads} threads, "
+          f"median of {args.repeats}")
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__}, Python {platform.python_version()}; load average before/after "
+          f"{load_before[0]:.2f}/{load_after[0]:.2f}")
+    print(f"# bandwidth (torch, {BANDWIDTH_ELEMS * 4 >> 20} MiB fp32 arrays): copy {copy_gbs:.1f} GB/s "
+          f"(8 B/elem), triad {triad_gbs:.1f} GB/s (12 B/elem, STREAM counting, no write-allocate)")
+    print(f"# floor = {BYTES_PER_PARAM_16BIT} B/param x {n / 1e6:.0f}M / triad = {floor_s * 1e3:.1f} ms")
+    print()
+    print("| method | ms/step (median) | ms (min) | Gparam/s | GB/s eff. (28 B/param) "
+          "| vs (b) | fraction of floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in methods:
+        if name in ("copy", "triad"):
+            continue
+        med, best = _median_and_min(times[name])
+        print(f"| {name} | {med * 1e3:.1f} | {best * 1e3:.1f} | {n / med / 1e9:.2f} | "
+              f"{BYTES_PER_PARAM_16BIT * n / med / 1e9:.1f} | {base_s / med:.2f}x | "
+              f"{floor_s / med:.2f} |")
+    print()
+    ours_s = _median_and_min(times[f"(a) cpu_adamw_step [{impl}]"])[0]
+    speedup, fraction = base_s / ours_s, floor_s / ours_s
+    print(f"goals: >= 1.30x (b): {speedup:.2f}x {'MET' if speedup >= 1.3 else 'NOT MET'}; "
+          f">= 0.85 of floor: {fraction:.2f} {'MET' if fraction >= 0.85 else 'NOT MET'}")
+
+
+if __name__ == "__main__":
+    main()
