@@ -82,6 +82,10 @@ class OffloadConfig:
     io_block_bytes: int | None = None
     io_queue_depth: int | None = None
     verify_checksums: bool = True  # verify swap reads against the manifest's checksums
+    # fsync each swap file around its rename. Off by default: temp-name + rename already keeps
+    # the swap directory consistent when the process is killed; against power loss the durable
+    # copy is the (always fsynced) training checkpoint. On costs ~2 fsyncs per block per step.
+    swap_fsync: bool = False
     prefetch_optimizer_state: bool = True  # read the next step's state during forward/backward
     # per-tier byte budgets ("12GiB" strings or ints); None = measured free memory / disk
     device_budget: int | str | None = None

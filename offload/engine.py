@@ -165,8 +165,8 @@ class Engine:
 
             io = IOEngine(threads=cfg.io_threads, block_bytes=cfg.io_block_bytes,
                           queue_depth=cfg.io_queue_depth)
-            store = SwapStore(cfg.nvme_dir, engine=io,
-                              verify="cold" if cfg.verify_checksums else "off")
+            store = SwapStore(cfg.nvme_dir, engine=io, durable=cfg.swap_fsync,
+                              verify="cold" if cfg.verify_checksums else "never")
             store.preflight(sum(b.numel for b in self.blocks) * 12)
             return NvmeState(self.blocks, store, cfg.buffer_count, self.account,
                              self.links["nvme_read"], self.links["nvme_write"],

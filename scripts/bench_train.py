@@ -1,0 +1,107 @@
+"""Training step time with offload none / cpu / nvme side by side, one process, same model and
+data, with each mode's time split (forward, backward, gradient offload wait, CPU step, IO wait,
+weight upload) and bytes per link. Medians over --steps timed updates after one warm-up.
+
+    python scripts/bench_train.py                       # ~100M Llama ("small"), fp32, CPU
+    python scripts/bench_train.py --model tiny --steps 3 --modes cpu nvme
+
+The NVMe goal (issue 4): nvme step time <= 1.15x cpu when the optimizer state's IO time
+(24 bytes/param at the disk's bandwidth) is below forward + backward. The script prints that
+IO estimate from the bytes moved and the engine's own timings so the condition is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import offload  # noqa: E402
+from offload.config import OffloadConfig, format_bytes  # noqa: E402
+from offload.models import build_model, num_params, preset  # noqa: E402
+
+SPLIT = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s")
+
+
+def run_mode(mode: str, args, swap_root: str) -> dict:
+    cfg_model = preset(args.model)
+    model = build_model(cfg_model, device="cpu", source=args.seed)
+    cfg = OffloadConfig(offload=mode, nvme_dir=os.path.join(swap_root, mode) if mode == "nvme" else None,
+                        dtype=args.dtype, device="cpu", lr=1e-4, grad_clip=1.0,
+                        buffer_count=args.buffer_count, verify_checksums=not args.no_verify)
+    engine = offload.initialize(model, cfg)
+    if args.activation_checkpointing:
+        from offload.activations import enable_activation_checkpointing
+        enable_activation_checkpointing(model.model.layers)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg_model.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
+    step_s, reports = [], []
+    for i in range(args.steps + 1):  # the first update is warm-up
+        t0 = time.perf_counter()
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 ids[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        if i:
+            step_s.append(time.perf_counter() - t0)
+            reports.append(engine.last_report)
+    out = {"mode": mode, "step_s": statistics.median(step_s),
+           **{k: statistics.median(getattr(r, k) for r in reports) for k in SPLIT},
+           "bytes": reports[-1].bytes, "params": sum(b.numel for b in engine.blocks)}
+    engine.close()
+    del engine, model
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small", help="preset (default small, ~100M params)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=5, help="timed updates per mode (median reported)")
+    ap.add_argument("--modes", nargs="+", default=["none", "cpu", "nvme"])
+    ap.add_argument("--buffer-count", type=int, default=4)
+    ap.add_argument("--no-verify", action="store_true", help="skip swap checksum verification")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--swap-dir", default=None, help="where NVMe swap files go (default: a temp dir "
+                    "under the current directory, i.e. on its disk)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    swap_root = tempfile.mkdtemp(prefix="bench-train-", dir=args.swap_dir or ".")
+    print(f"model {args.model}: {num_params(preset(args.model)) / 1e6:.1f}M params, {args.dtype}, "
+          f"batch {args.batch_size} x {args.seq_len}, {torch.get_num_threads()} threads, "
+          f"median of {args.steps} updates")
+    try:
+        rows = [run_mode(m, args, swap_root) for m in args.modes]
+    finally:
+        shutil.rmtree(swap_root, ignore_errors=True)
+    head = f"{'mode':<6} {'step s':>8} " + " ".join(f"{k[:-2]:>10}" for k in SPLIT) + f" {'vs cpu':>7}"
+    print(head)
+    base = next((r["step_s"] for r in rows if r["mode"] == "cpu"), None)
+    for r in rows:
+        ratio = f"{r['step_s'] / base:7.3f}" if base else "      -"
+        print(f"{r['mode']:<6} {r['step_s']:8.3f} " + " ".join(f"{r[k]:10.3f}" for k in SPLIT) + f" {ratio}")
+    for r in rows:
+        moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in r["bytes"].items() if v)
+        print(f"  {r['mode']}: bytes per update: {moved}")
+    nv = next((r for r in rows if r["mode"] == "nvme"), None)
+    if nv is not None and base:
+        compute = nv["forward_s"] + nv["backward_s"]
+        print(f"nvme/cpu step time: {nv['step_s'] / base:.3f} (goal <= 1.15 when state IO < "
+              f"forward+backward = {compute:.3f} s; IO the step waited for: {nv['io_wait_s']:.3f} s)")
+
+
+if __name__ == "__main__":
+    main()
