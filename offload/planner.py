@@ -334,20 +334,26 @@ def _probe_disk(paths: list[str], seconds: float, io: IOEngine | None,
     engine = io or IOEngine()
     try:
         direct = engine.direct_supported(paths[0])
-        buf = aligned_empty(nbytes)
-        # Aligned offsets walking through the files, so consecutive reads are not the same bytes.
-        spans = [(p, os.path.getsize(p) // ALIGN * ALIGN) for p in paths]
+        # Several requests in flight, like the streamer's block reads (one request at a time
+        # would leave most IO threads idle and understate the disk).
+        in_flight, piece = 16, nbytes // 16 // ALIGN * ALIGN
+        buf = aligned_empty(in_flight * piece)
+        # Sequential through each file in turn, like the streamer reading block after block.
+        chunks = [(p, off, min(piece, size - off)) for p in paths
+                  for size in [os.path.getsize(p) // ALIGN * ALIGN] for off in range(0, size, piece)]
+        pending: list = []
         done, t0, k = 0, time.perf_counter(), 0
         while True:
-            path, size = spans[k % len(spans)]
-            count = math.ceil(size / nbytes)
-            off = (k // len(spans) % count) * nbytes
-            n = min(nbytes, size - off)
-            engine.submit_read(path, off, buf[:n]).wait()
-            done += n
+            path, off, n = chunks[k % len(chunks)]
+            if len(pending) == in_flight:
+                done += pending.pop(0).wait().nbytes
+            slot = k % in_flight  # the oldest request, just collected, used this part of buf
+            pending.append(engine.submit_read(path, off, buf[slot * piece:slot * piece + n]))
             k += 1
             if time.perf_counter() - t0 >= seconds:
                 break
+        for h in pending:
+            done += h.wait().nbytes
         return done / (time.perf_counter() - t0) / 1e9, direct
     finally:
         if own:

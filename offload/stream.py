@@ -569,13 +569,6 @@ class BlockStreamer:
             self._io = None
 
     # ---- reporting -----------------------------------------------------------------------------
-    def tier_bytes(self) -> dict[str, int]:
-        """Compute-dtype bytes of the blocks placed in each tier."""
-        out = dict.fromkeys(RESIDENCIES, 0)
-        for i, t in enumerate(self.residency):
-            out[t] += self.block_bytes(i)
-        return out
-
     def device_bytes(self) -> int:
         """Device memory held by the streamer: resident blocks plus slots (and landing)."""
         total = sum(t.numel() * t.element_size() for t in self._resident.values()) if self.cuda else 0
