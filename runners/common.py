@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import torch
 
@@ -29,13 +29,23 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean "bad input or environment", not "bug"."""
     from nvme.format import FormatError
     from nvme.io import IOEngineError
+    from nvme.swap import SwapError
+    from offload.checkpoint import CheckpointNotFound
+    from offload.data import DataError
+    from offload.engine import StateError
     from offload.generate import GenerationError
     from offload.models import CheckpointError
     from offload.models import ConfigError as ModelConfigError
     from offload.stream import StreamError
     from offload.tokenizer import TokenizerError
     return (RunnerError, OffloadConfigError, ModelConfigError, BudgetError, CheckpointError,
-            GenerationError, TokenizerError, StreamError, FormatError, IOEngineError)
+            GenerationError, TokenizerError, StreamError, FormatError, IOEngineError, SwapError,
+            DataError, StateError, CheckpointNotFound)
+
+
+def fail(message: str) -> NoReturn:
+    """Stop with bad input: `error: message` on stderr, exit code 2 (through run_main)."""
+    raise RunnerError(message)
 
 
 def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
@@ -51,6 +61,10 @@ def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | 
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # disk full, permission denied, ...: the OS said no; name the file
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
 
 
 class Parser(argparse.ArgumentParser):
@@ -133,7 +147,15 @@ def writable_dir(path: str, flag: str) -> str:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise RunnerError(f"{flag} {path}: cannot create it ({e.strerror})") from None
-    if not os.access(path, os.W_OK):
-        raise RunnerError(f"{flag} {path}: not writable")
+        raise RunnerError(f"{flag} {path}: not writable: cannot create it ({e.strerror}); choose a "
+                          f"directory on a writable disk") from None
+    # write a probe file: os.access says yes to root even on read-only mounts
+    probe = os.path.join(path, f".write-test-{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("x")
+        os.unlink(probe)
+    except OSError as e:
+        raise RunnerError(f"{flag} {path}: not writable ({e.strerror}); choose a directory on a "
+                          f"writable disk") from None
     return path

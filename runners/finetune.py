@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from runners.cli import fail, pick_device, run_main
+from runners.common import Parser, fail, run_main, select_device, writable_dir
 
 DEFAULTS = dict(model="tiny", offload="cpu", dtype="fp32", steps=100, batch_size=16,
                 micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
@@ -29,7 +29,7 @@ DEFAULTS = dict(model="tiny", offload="cpu", dtype="fp32", steps=100, batch_size
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m runners.finetune", description=__doc__.splitlines()[0],
+    ap = Parser(prog="python -m runners.finetune", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = DEFAULTS
     ap.add_argument("--model", default=d["model"], help="a Hugging Face checkpoint directory or a preset "
@@ -126,17 +126,6 @@ def engine_config(args: argparse.Namespace, device: torch.device):
     elif args.offload_dir:
         fail(f"--offload-dir is only used with --offload nvme (the config says offload={base['offload']})")
     return OffloadConfig(**base)
-
-
-def check_writable(path: str, what: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("x")
-        os.unlink(probe)
-    except OSError as e:
-        fail(f"{what} {path}: not writable ({e.strerror}); choose a directory on a writable disk")
 
 
 def load_model(args: argparse.Namespace):
@@ -239,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     from runners.report import Banner
 
     check_args(args)
-    device = pick_device(args.gpu)
+    device = select_device(args.gpu)
     cfg = engine_config(args, device)
     model, model_cfg, source, tokenizer = load_model(args)
     micro = args.micro_batch_size or args.batch_size
@@ -258,9 +247,9 @@ def run(args: argparse.Namespace) -> int:
         fail(f"--resume {args.resume}: the checkpoint is from a different model "
              f"({trainer.get('model_config', {}).get('architectures')}, "
              f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
-    check_writable(args.output, "--output")
+    writable_dir(args.output, "--output")
     if cfg.offload == "nvme":
-        check_writable(cfg.nvme_dir, "--offload-dir")
+        writable_dir(cfg.nvme_dir, "--offload-dir")
 
     docs = load_documents(args.data)
     ids, mask = tokenize(docs, tokenizer.encode, tokenizer.eos_id, getattr(tokenizer, "bos_id", None))
@@ -389,8 +378,7 @@ def _progress(args: argparse.Namespace, start: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_main(run, args)
+    return run_main(lambda a: run(build_parser().parse_args(a)), argv)
 
 
 if __name__ == "__main__":

@@ -263,7 +263,12 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # nn.Embedding's own init (normal_) on a meta tensor runs through torch's Python refs,
+        # which import torch._dynamo (seconds): pass the weight in and init only real storage
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)  # on the current default device
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        if weight.device.type != "meta":
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
