@@ -177,7 +177,7 @@ class SafetensorsFile:
         self.bytes_read = 0
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if getattr(self, "_fd", -1) >= 0:  # __init__ may have failed before opening
             os.close(self._fd)
             self._fd = -1
 

@@ -38,11 +38,14 @@ from nvme.format import tensor_bytes
 
 ALIGN = 4096  # O_DIRECT alignment of memory, file offsets and lengths (safe for any device)
 # Defaults chosen with scripts/bench_nvme.py on this machine's virtio disk (docs/benchmarks/nvme.md):
-# one thread reaches ~60-75% of the disk; from 4 threads and 8 MiB blocks on, every config sits
-# on the same plateau within the run-to-run noise (+-15%); 8 threads x 16 MiB was the best or
-# within noise of it in each sweep, and 8 threads leave room for several requests at once.
-DEFAULT_THREADS = 8
-DEFAULT_BLOCK_BYTES = 16 << 20
+# bandwidth grows with the bytes in flight (threads x block) up to a few hundred MiB; in the
+# sweeps 16 threads x 32 MiB and 8-16 threads x 64 MiB were on top (run-to-run noise is +-15%),
+# 8 x 16 MiB about 15% lower. Idle threads cost nothing, so 16 x 32 MiB: 512 MiB in flight.
+DEFAULT_THREADS = 16
+DEFAULT_BLOCK_BYTES = 32 << 20
+# Bounce buffers (for buffers misaligned with the file) are per thread, made on first need and
+# used a chunk at a time, so they cost at most threads x 8 MiB whatever block_bytes is.
+BOUNCE_BYTES = 8 << 20
 # Bounds the blocks queued ahead of the workers; `submit_*` blocks while the queue is full, which
 # also bounds open file descriptors (each unfinished request holds one or two).
 DEFAULT_QUEUE_DEPTH = 64
@@ -441,21 +444,23 @@ class IOEngine:
 
     def _do(self, h: IOHandle, i: int, foff: int, moff: int, n: int, kind: int, bounce: list):
         view = h._mem[moff:moff + n]
-        if kind == _BOUNCE:
+        if kind == _BOUNCE:  # through this thread's aligned buffer, a chunk at a time
             if not bounce:
-                t = aligned_empty(self.block_bytes)
-                bounce += [t, tensor_bytes(t), t.data_ptr()]
-            staging, dst = bounce[1][:n], bounce[2]
-            if h.op == "write":
-                if h._crcs is not None:
-                    h._crcs[i] = zlib.crc32(view)
-                ctypes.memmove(dst, h._addr + moff, n)  # ctypes calls release the GIL
-                self._move(h, h._direct_fd, staging, foff)
-            else:
-                self._move(h, h._direct_fd, staging, foff)
-                ctypes.memmove(h._addr + moff, dst, n)
-                if h._crcs is not None:
-                    h._crcs[i] = zlib.crc32(view)
+                t = aligned_empty(min(self.block_bytes, BOUNCE_BYTES))
+                bounce += [tensor_bytes(t), t.data_ptr(), t]
+            staging, src_or_dst = bounce[0], bounce[1]
+            if h.op == "write" and h._crcs is not None:
+                h._crcs[i] = zlib.crc32(view)
+            for c in range(0, n, len(staging)):
+                k = min(len(staging), n - c)
+                if h.op == "write":
+                    ctypes.memmove(src_or_dst, h._addr + moff + c, k)  # ctypes drops the GIL
+                    self._move(h, h._direct_fd, staging[:k], foff + c)
+                else:
+                    self._move(h, h._direct_fd, staging[:k], foff + c)
+                    ctypes.memmove(h._addr + moff + c, src_or_dst, k)
+            if h.op == "read" and h._crcs is not None:
+                h._crcs[i] = zlib.crc32(view)
             return
         fd = h._direct_fd if kind == _DIRECT else h._fd
         if h.op == "write" and h._crcs is not None:

@@ -252,7 +252,9 @@ class SwapStore:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                os.write(fd, data)
+                done = 0
+                while done < len(data):
+                    done += os.write(fd, data[done:])
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -291,20 +293,19 @@ class SwapStore:
             raise ValueError(f"swap write of {name!r}: dtype {tensor.dtype} is not supported")
         t = tensor.detach()
         t = t if t.is_contiguous() else t.contiguous()
-        while True:
+        header = header_bytes({name: t}, self._meta(0))
+        need = len(header) + t.numel() * t.element_size()
+        final = os.path.join(self.dir, file_name(name))
+        tmp = final + TMP
+        self.preflight(need)
+        pending = _Pending(t, need)
+        while True:  # one write per name at a time: wait for the previous one, then claim it
             with self._mutex:
                 prev = self._pending.get(name)
                 if prev is None:
+                    self._pending[name] = pending
                     break
             prev.finished.wait()
-        header = header_bytes({name: t}, self._meta(0))
-        need = len(header) + t.numel() * t.element_size()
-        self.preflight(need)
-        final = os.path.join(self.dir, file_name(name))
-        tmp = final + TMP
-        pending = _Pending(t, need)
-        with self._mutex:
-            self._pending[name] = pending
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             os.close(fd)

@@ -104,7 +104,9 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", default="1,4,8,16")
-    ap.add_argument("--block-mib", default="1,8,16")
+    ap.add_argument("--block-mib", default="1,8,32")
+    ap.add_argument("--configs", default="",
+                    help="explicit thread:block_mib pairs (e.g. 8:16,4:64) instead of the grid")
     ap.add_argument("--dd-block-mib", type=int, default=8)
     ap.add_argument("--no-safetensors", action="store_true")
     ap.add_argument("--no-store", action="store_true")
@@ -117,7 +119,10 @@ def main() -> None:
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     threads = [int(x) for x in args.threads.split(",")]
     blocks = [int(x) * MiB for x in args.block_mib.split(",")]
-    configs = sorted({(t, b) for t in threads for b in blocks} | {(DEFAULT_THREADS, DEFAULT_BLOCK_BYTES)})
+    grid = {(t, b) for t in threads for b in blocks}
+    if args.configs:
+        grid = {(int(t), int(b) * MiB) for t, b in (c.split(":") for c in args.configs.split(","))}
+    configs = sorted(grid | {(DEFAULT_THREADS, DEFAULT_BLOCK_BYTES)})
     engines = {c: IOEngine(threads=c[0], block_bytes=c[1]) for c in configs}
     cold = drop_caches()
     with IOEngine() as eng:
@@ -125,23 +130,32 @@ def main() -> None:
         direct = eng.direct_supported(data)
     ddb = args.dd_block_mib * MiB
 
-    # name -> (op, thunk returning seconds)
+    def fresh(fn):  # writes go to a new file each time
+        def run():
+            unlink(scratch)
+            return fn()
+        return run
+
+    # (method, op) -> thunk returning seconds
     cases: dict[tuple[str, str], object] = {}
-    cases[("dd O_DIRECT", "write")] = lambda: (unlink(scratch), dd("/dev/zero", scratch, ddb, size // ddb, True))[1]
+    cases[("dd O_DIRECT", "write")] = fresh(lambda: dd("/dev/zero", scratch, ddb, size // ddb, True))
     cases[("dd O_DIRECT", "read")] = lambda: dd(data, "/dev/null", ddb, size // ddb, False)
     for (t, b) in configs:
-        cases[(f"pread/pwrite loop t={t} b={b // MiB}M", "write")] = (
-            lambda t=t, b=b: (unlink(scratch), raw_loop(scratch, buf, t, b, True))[1])
-        cases[(f"pread/pwrite loop t={t} b={b // MiB}M", "read")] = (
-            lambda t=t, b=b: raw_loop(data, buf, t, b, False))
-        cases[(f"engine t={t} b={b // MiB}M", "write")] = (
-            lambda e=engines[(t, b)]: (unlink(scratch), engine_run(e, scratch, buf, True))[1])
-        cases[(f"engine t={t} b={b // MiB}M", "read")] = (
-            lambda e=engines[(t, b)]: engine_run(e, data, buf, False))
+        loop, eng = f"pread/pwrite loop t={t} b={b // MiB}M", f"engine t={t} b={b // MiB}M"
+        cases[(loop, "write")] = fresh(lambda t=t, b=b: raw_loop(scratch, buf, t, b, True))
+        cases[(loop, "read")] = lambda t=t, b=b: raw_loop(data, buf, t, b, False)
+        cases[(eng, "write")] = fresh(lambda e=engines[(t, b)]: engine_run(e, scratch, buf, True))
+        cases[(eng, "read")] = lambda e=engines[(t, b)]: engine_run(e, data, buf, False)
+    buffered = IOEngine(direct=False)  # default threads/blocks, through the page cache
+    cases[("engine defaults, buffered (direct=False)", "write")] = fresh(
+        lambda: engine_run(buffered, scratch, buf, True))
+    cases[("engine defaults, buffered (direct=False)", "read")] = (
+        lambda: (drop_caches(), engine_run(buffered, data, buf, False))[1])
     if not args.no_safetensors:
         from safetensors.torch import load_file, save_file
         st_path = os.path.join(args.dir, "st.safetensors")
-        st_tensors = {f"t{i}": buf[i * 64 * MiB:(i + 1) * 64 * MiB] for i in range(size // (64 * MiB))}
+        chunk = min(64 * MiB, size)
+        st_tensors = {f"t{i}": buf[i * chunk:(i + 1) * chunk] for i in range(size // chunk)}
 
         def st_save():
             unlink(st_path)
@@ -153,12 +167,15 @@ def main() -> None:
             return time.perf_counter() - t0
 
         def st_load():
+            # load_file maps the file lazily: the bytes are only read when touched, so copy
+            # them into the destination buffer (which is what a caller needs them for).
             drop_caches()
             t0 = time.perf_counter()
-            load_file(st_path)
+            for name, t in load_file(st_path).items():
+                st_tensors[name].copy_(t)
             return time.perf_counter() - t0
-        cases[("safetensors save_file+fsync / load_file", "write")] = st_save
-        cases[("safetensors save_file+fsync / load_file", "read")] = st_load
+        cases[("safetensors save_file+fsync / load_file+copy", "write")] = st_save
+        cases[("safetensors save_file+fsync / load_file+copy", "read")] = st_load
     store_dir = os.path.join(args.dir, "store")
     if not args.no_store:
         shutil.rmtree(store_dir, ignore_errors=True)
@@ -187,7 +204,7 @@ def main() -> None:
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
     if not args.no_store:
         store.close()
-    for e in engines.values():
+    for e in [*engines.values(), buffered]:
         e.close()
     gbps = {k: size / statistics.median(v) / 1e9 for k, v in times.items()}
 
@@ -202,7 +219,7 @@ def main() -> None:
     default = f"engine t={DEFAULT_THREADS} b={DEFAULT_BLOCK_BYTES // MiB}M"
     for op in ("write", "read"):
         raw = {k[0]: v for k, v in gbps.items() if k[1] == op and (k[0].startswith("dd") or k[0].startswith("pread"))}
-        eng = {k[0]: v for k, v in gbps.items() if k[1] == op and k[0].startswith("engine")}
+        eng = {k[0]: v for k, v in gbps.items() if k[1] == op and k[0].startswith("engine t=")}
         best_raw = max(raw, key=raw.get)
         best_eng = max(eng, key=eng.get)
         paired = sorted(gbps[(f"engine t={t} b={b // MiB}M", op)] /

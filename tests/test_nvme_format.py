@@ -122,6 +122,8 @@ def test_impossible_header_length_and_short_files(tmp_path):
         read_header(tmp_path / "b")
     with pytest.raises(FormatError, match="cannot open"):
         read_header(tmp_path / "missing")
+    with pytest.raises(FormatError, match="too short"):
+        SafetensorsFile(tmp_path / "b")  # and its __del__ has nothing to close
 
 
 def test_truncated_tensor_data_is_an_error_on_read(tmp_path):

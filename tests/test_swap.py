@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import zlib
 
@@ -202,6 +203,7 @@ def test_sigkill_mid_write_leaves_old_data_intact(tmp_path):
     finally:
         r.kill()
         r.wait()
+        r.stdout.close()
     with SwapStore(tmp_path) as store:     # the lock died with the process
         assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
         x = store.read("x")                 # cold read: checksum verified
@@ -309,3 +311,27 @@ def test_second_opener_gets_a_clear_error(tmp_path, engine):
     with pytest.raises(SwapError, match="closed"):
         store.write("a", torch.ones(1))
     SwapStore(tmp_path, engine=engine).close()   # free again
+
+
+def test_threads_writing_and_reading_the_same_names(tmp_path, engine):
+    errors = []
+    with SwapStore(tmp_path, engine=engine, verify="always") as store:
+        def worker(k):
+            try:
+                for i in range(15):
+                    value = torch.full((20_000,), float(k * 100 + i))
+                    h = store.write(f"own{k}", value)
+                    store.write("shared", value).wait()
+                    assert torch.equal(store.read(f"own{k}"), value)  # pending or on disk: new
+                    h.wait()
+                    shared = store.read("shared")
+                    assert bool((shared == shared[0]).all())           # never a torn mix
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert store.names() == ["own0", "own1", "own2", "own3", "shared"]
