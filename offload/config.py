@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -38,7 +40,10 @@ def parse_bytes(value: int | float | str | None, what: str = "budget") -> int | 
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"{what}: cannot read {value!r} as a size; write e.g. '12GiB', '500MB' "
                           f"or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(size):
+        raise ConfigError(f"{what}: {str(value)[:40]!r} is not a finite size")
+    return int(size)
 
 
 def format_bytes(n: int | float) -> str:
@@ -99,6 +104,15 @@ class OffloadConfig:
     hysteresis: int = 1
     min_loss_scale: float = 1.0
     block_list: str | None = None  # dotted path of the blocks' ModuleList; None = found automatically
+    # ZeRO-Infinity: where the 16-bit weights of the ModuleList's blocks live. "none": on the
+    # device; "cpu" / "nvme": streamed to the device block by block in forward and backward.
+    offload_params: str = "none"
+    prefetch_blocks: int = 2  # streamed blocks in flight ahead of the running one (nvme tier)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    offload_activations: bool = False  # checkpointed block inputs kept in host memory
+    # step each block on the CPU as soon as its gradients land, while backward continues —
+    # only where the math allows (no clipping, no fp16 overflow check: both need every gradient)
+    overlap_step: bool = True
 
     def __post_init__(self) -> None:
         if self.offload not in ("none", "cpu", "nvme"):
@@ -107,10 +121,21 @@ class OffloadConfig:
             raise ConfigError("offload='nvme' needs nvme_dir: a directory on a fast local disk "
                               "for the optimizer-state swap files")
         self.dtype = dtype_name(self.dtype)
+        if self.offload_params not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"offload_params: {self.offload_params!r} is not one of none, cpu, nvme")
+        if self.offload_params == "nvme" and not self.nvme_dir:
+            raise ConfigError("offload_params='nvme' needs nvme_dir: a directory on a fast local "
+                              "disk for the weights' swap files")
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ConfigError("offload_activations=True offloads the checkpointed block inputs: "
+                              "it needs activation_checkpointing=True")
+        if not isinstance(self.prefetch_blocks, int) or isinstance(self.prefetch_blocks, bool) \
+                or self.prefetch_blocks < 1:
+            raise ConfigError(f"prefetch_blocks: must be an integer >= 1, got {self.prefetch_blocks!r}")
         if self.device is not None:
             try:
                 dev = torch.device(self.device)
-            except RuntimeError:
+            except (RuntimeError, TypeError, ValueError):
                 raise ConfigError(f"device: {self.device!r} is not a device; use 'cpu' or 'cuda:N'") from None
             if dev.type not in ("cpu", "cuda"):
                 raise ConfigError(f"device: {self.device!r}: only 'cpu' and 'cuda:N' are supported")
@@ -131,15 +156,30 @@ class OffloadConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}: must be an integer >= {lo}, got {v!r}")
-        for name in ("io_threads", "io_block_bytes", "io_queue_depth"):
+        for name, hi in (("io_threads", 1024), ("io_block_bytes", 1 << 40), ("io_queue_depth", 1 << 20)):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name}: must be a positive integer or None, got {v!r}")
-        if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float)) \
-                or self.loss_scale < 0:
-            raise ConfigError(f"loss_scale: must be >= 0 (0 = dynamic), got {self.loss_scale!r}")
-        if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale <= 0:
-            raise ConfigError(f"min_loss_scale: must be > 0, got {self.min_loss_scale!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
+                raise ConfigError(f"{name}: must be an integer in [1, {hi}] or None, got {v!r}")
+        if self.io_block_bytes is not None and self.io_block_bytes % 4096:
+            raise ConfigError(f"io_block_bytes: must be a multiple of 4096 (O_DIRECT alignment), "
+                              f"got {self.io_block_bytes}")
+        # 2 ** initial_scale_power must be a float (and a loss times it finite in fp32)
+        if self.initial_scale_power > 127:
+            raise ConfigError(f"initial_scale_power: must be <= 127, got {self.initial_scale_power}")
+        for name in ("loss_scale", "min_loss_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0 or (name == "min_loss_scale" and v == 0):
+                raise ConfigError(f"{name}: must be a finite number "
+                                  f"{'>= 0 (0 = dynamic)' if name == 'loss_scale' else '> 0'}, "
+                                  f"got {v!r}")
+        for name in ("pin_memory", "verify_checksums", "swap_fsync", "prefetch_optimizer_state"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        for name in ("nvme_dir", "block_list"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{name}: must be a string (a path) or None, got {v!r}")
         for name in ("device_budget", "host_budget", "nvme_budget"):
             parse_bytes(getattr(self, name), name)
 
@@ -175,6 +215,8 @@ class OffloadConfig:
         """Our own flat dict form; a DeepSpeed-style dict (any DeepSpeed key) is recognised."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"config must be a dict, got {type(d).__name__}")
+        if not all(isinstance(k, str) for k in d):
+            raise ConfigError(f"config keys must be strings, got {sorted(map(repr, d))}")
         if any(k in d for k in _DEEPSPEED_TOP_KEYS):
             return from_deepspeed(d)
         unknown = sorted(set(d) - set(cls.field_names()))
@@ -205,9 +247,9 @@ _DEEPSPEED_IGNORED = {"train_batch_size", "train_micro_batch_size_per_gpu", "ste
 def _take(d: Mapping[str, Any], allowed: set[str], where: str) -> dict[str, Any]:
     if not isinstance(d, Mapping):
         raise ConfigError(f"{where}: must be a dict, got {type(d).__name__}")
-    unknown = sorted(set(d) - allowed)
+    unknown = sorted(map(repr, set(d) - allowed))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
                           f"supported: {', '.join(sorted(allowed))}")
     return dict(d)
 
@@ -250,6 +292,9 @@ def from_deepspeed(ds: Mapping[str, Any], **overrides: Any) -> OffloadConfig:
                                       "loss_scale_window", "hysteresis", "min_loss_scale",
                                       "auto_cast"}, "fp16")
     bf16 = _take(ds.get("bf16", {}), {"enabled"}, "bf16")
+    for where, section in (("fp16", fp16), ("bf16", bf16)):
+        if not isinstance(section.get("enabled", False), bool):
+            raise ConfigError(f"{where}.enabled: must be true or false, got {section['enabled']!r}")
     if fp16.get("enabled") and bf16.get("enabled"):
         raise ConfigError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; pick one")
     out["dtype"] = "fp16" if fp16.get("enabled") else "bf16" if bf16.get("enabled") else "fp32"
@@ -275,7 +320,7 @@ def from_deepspeed(ds: Mapping[str, Any], **overrides: Any) -> OffloadConfig:
                               "(adam_w_mode=true, bias_correction=true)")
         for key in ("lr", "betas", "eps", "weight_decay"):
             if key in params:
-                out[key] = tuple(params[key]) if key == "betas" else params[key]
+                out[key] = params[key]
     out.update(overrides)
     return OffloadConfig(**out)
 
@@ -283,13 +328,23 @@ def from_deepspeed(ds: Mapping[str, Any], **overrides: Any) -> OffloadConfig:
 def load_config_file(path: str) -> OffloadConfig:
     """A JSON file in our flat form or DeepSpeed's."""
     try:
-        with open(path) as f:
-            d = json.load(f)
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_FILE_BYTES:
+                raise ConfigError(f"config file {path}: not a regular JSON file of at most "
+                                  f"{MAX_CONFIG_FILE_BYTES} bytes")
+            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"config file {path}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"config file {path}: not valid JSON ({e})") from None
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, 5000-digit integers
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise ConfigError(f"config file {path}: not valid JSON ({what})") from None
     return OffloadConfig.from_dict(d)
+
+
+MAX_CONFIG_FILE_BYTES = 16 << 20
 
 
 def as_config(cfg: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload.activations import ActivationStore, enable_activation_checkpointing
 from offload.blocks import Block, bind_views, gather_flat, group_blocks, move_frozen_and_buffers
 from offload.config import ConfigError, OffloadConfig, as_config
 from offload.grads import GradLanding
@@ -34,6 +35,7 @@ from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
 from offload.tiers import BudgetError, LinkCounter, MemoryAccount, format_report, host_empty, peak_rss_bytes
 from offload.train_plan import plan_training
+from offload.train_stream import TrainingStreamer
 
 
 class StateError(RuntimeError):
@@ -92,7 +94,8 @@ class Engine:
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         self._norm_order = sorted(self.param_names, key=order.__getitem__)
         self.account = MemoryAccount()
-        self.links = {k: LinkCounter() for k in ("d2h", "h2d", "nvme_read", "nvme_write")}
+        self.links = {k: LinkCounter() for k in ("d2h", "h2d", "nvme_read", "nvme_write",
+                                                 "stream_h2d", "stream_disk", "act_offload")}
         self.lr = cfg.lr
         self.global_step = 0  # optimizer updates applied
         self.micro_step = 0  # engine.step() calls
@@ -104,10 +107,17 @@ class Engine:
         self._pending = StepReport()
         self._check_budgets()
 
-        # optimizer state; then 16-bit device weights, one block at a time so the peak extra
-        # memory while initialising is one block
+        # optimizer state; then 16-bit weights, one block at a time so the peak extra memory
+        # while initialising is one block
+        self.store = self._make_store()
         self.state = self._make_state()
-        self.flat16: list[torch.Tensor] = []
+        self.flat16: list[torch.Tensor | None] = []  # device flat buffers (None when streamed)
+        self.layers: nn.ModuleList | None = (model.get_submodule(self.block_list_path)
+                                             if self.block_list_path is not None else None)
+        self.layer_of: dict[int, int] = {}  # block index -> layer index, for streamed blocks
+        if cfg.offload_params != "none":
+            self._check_streamable()
+        stream_flats: list[torch.Tensor] = []
         # parameters on the meta device are filled from `source`: an object with
         # read_tensors_into({name: tensor}) (a checkpoint reader) or such a callable
         fill = getattr(source, "read_tensors_into", source)
@@ -115,16 +125,42 @@ class Engine:
         for bi, block in enumerate(self.blocks):
             master = gather_flat(block, torch.float32, source=fill)
             self.state.init_block(bi, master)
+            trainable.update(id(s.param) for s in block.slots)
+            if cfg.offload_params != "none" and block.module is not None:
+                self.layer_of[bi] = len(stream_flats)
+                stream_flats.append(master.to(self.dtype))  # the streamer adopts or writes it
+                self.flat16.append(None)
+                continue
             flat = torch.empty(block.numel, dtype=self.dtype, device=self.device)
             flat.copy_(master)
             bind_views(block, flat, model)
             self.flat16.append(flat)
             self.account.add("device", "weights", flat.numel() * flat.element_size())
-            trainable.update(id(s.param) for s in block.slots)
             del master
+        self.streaming: TrainingStreamer | None = None
+        self.act_store: ActivationStore | None = None
+        if self.layer_of:
+            self.streaming = TrainingStreamer(
+                self.layers, self.blocks, sorted(self.layer_of, key=self.layer_of.get),
+                cfg.offload_params, device=self.device, dtype=self.dtype, pin=self.pin,
+                flats16=stream_flats, store=self.store, account=self.account,
+                host_ahead=1, nvme_ahead=cfg.prefetch_blocks)
+            trainable.update(id(s.param) for bi in self.layer_of for s in self.blocks[bi].slots)
+        del stream_flats
         move_frozen_and_buffers(model, self.device, self.dtype, trainable)
+        if cfg.activation_checkpointing:
+            if self.layers is None:
+                raise ConfigError("activation_checkpointing needs a model whose blocks are an "
+                                  "nn.ModuleList (none was found)")
+            self.act_store = (ActivationStore(self.device, self.pin)
+                              if cfg.offload_activations else None)
+            enable_activation_checkpointing(self.layers, self.act_store, self.device)
         if isinstance(self.state, NvmeState):
             self.state.end_step(self._step_order(), 0)  # init state durable + first prefetch
+        self._weight_writes: list = []  # nvme-tier weight writes of the current step
+        self._weight_ring: list[torch.Tensor] = []
+        self._ring_writes: dict[int, Any] = {}
+        self._pending_io_s = 0.0
 
         # offload="none" keeps gradients on the device (the plain reference path)
         self.grads = GradLanding(
@@ -158,17 +194,36 @@ class Engine:
         self.plan = plan_training([b.numel for b in self.blocks], self.cfg, self.device)
         self.plan.check()
 
+    def _make_store(self):
+        """The swap store under nvme_dir, when optimizer state or weights live on NVMe."""
+        cfg = self.cfg
+        if cfg.offload != "nvme" and cfg.offload_params != "nvme":
+            return None
+        from nvme import IOEngine, SwapStore
+
+        io = IOEngine(threads=cfg.io_threads, block_bytes=cfg.io_block_bytes,
+                      queue_depth=cfg.io_queue_depth)
+        store = SwapStore(cfg.nvme_dir, engine=io, durable=cfg.swap_fsync,
+                          verify="cold" if cfg.verify_checksums else "never")
+        store.preflight(self.plan.total("nvme"))
+        return store
+
+    def _check_streamable(self) -> None:
+        if self.layers is None:
+            raise ConfigError("offload_params streams the blocks of the model's nn.ModuleList; "
+                              "this model has none")
+        owned = {id(s.param) for b in self.blocks if b.module is not None for s in b.slots}
+        for layer in self.layers:
+            for name, p in layer.named_parameters():
+                if id(p) not in owned:
+                    raise ConfigError(f"offload_params: parameter {name!r} of a block is frozen "
+                                      f"or shared outside the block; streamed blocks must own "
+                                      f"all their parameters and train them")
+
     def _make_state(self):
         cfg = self.cfg
         if cfg.offload == "nvme":
-            from nvme import IOEngine, SwapStore
-
-            io = IOEngine(threads=cfg.io_threads, block_bytes=cfg.io_block_bytes,
-                          queue_depth=cfg.io_queue_depth)
-            store = SwapStore(cfg.nvme_dir, engine=io, durable=cfg.swap_fsync,
-                              verify="cold" if cfg.verify_checksums else "never")
-            store.preflight(sum(b.numel for b in self.blocks) * 12)
-            return NvmeState(self.blocks, store, cfg.buffer_count, self.account,
+            return NvmeState(self.blocks, self.store, cfg.buffer_count, self.account,
                              self.links["nvme_read"], self.links["nvme_write"],
                              prefetch=cfg.prefetch_optimizer_state)
         tier = "device" if cfg.offload == "none" else "host"
@@ -195,7 +250,13 @@ class Engine:
         t0 = time.perf_counter()
         # loss / accum (not loss * (1/accum)): the same float the plain-PyTorch loop computes
         scaled = loss / accum if self.loss_scale == 1.0 else loss * self.loss_scale / accum
-        scaled.backward()
+        try:
+            scaled.backward()
+        finally:
+            if self.streaming is not None:
+                self.streaming.end_backward()
+            if self.act_store is not None:
+                self.act_store.clear()  # inputs of blocks whose backward never ran
         self._pending.backward_s += time.perf_counter() - t0
 
     def step(self) -> bool:
@@ -217,13 +278,17 @@ class Engine:
             rep.applied = False
             self._finish_report(rep, t_step, before)
             return False
-        self.global_step += 1
         self._apply(grad_scale, rep)
         self._finish_report(rep, t_step, before)
         return True
 
     def _finish_report(self, rep: StepReport, t_step: float, before: dict[str, int]) -> None:
         rep.step_s = time.perf_counter() - t_step
+        if self.act_store is not None:
+            self.links["act_offload"].nbytes = self.act_store.offloaded_bytes
+        if self.streaming is not None:  # the streamer counts its own fetches
+            moved = self.streaming.streamer.stats.moved_bytes
+            self.links["stream_h2d"].nbytes, self.links["stream_disk"].nbytes = moved["h2d"], moved["disk"]
         rep.bytes = {k: v.nbytes - before[k] for k, v in self.links.items()}
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
         self.last_report = rep
@@ -269,59 +334,127 @@ class Engine:
             self._clean_steps = 0
             self._hysteresis_left = self.cfg.hysteresis
 
-    def _apply(self, grad_scale: float, rep: StepReport) -> None:
+    # -- the update ---------------------------------------------------------------------------
+    def _overlap_allowed(self) -> tuple[bool, str]:
+        """Whether blocks can be stepped while backward runs, and why (for the banner)."""
         cfg = self.cfg
-        beta1, beta2 = cfg.betas
-        kernel = _torch_adamw_step if (cfg.offload == "none" and self.cuda) else cpu_adamw_step
-        order = self._step_order()
-        io0 = self.state.io_wait_s
+        if not cfg.overlap_step:
+            return False, "overlap_step=False"
+        if cfg.grad_clip > 0:
+            return False, "gradient clipping needs the global norm of every gradient first"
+        if cfg.dtype == "fp16":
+            return False, "the fp16 overflow check needs every gradient first"
+        return True, "no clipping and no overflow check: each block steps as its gradients land"
+
+    def _begin_update(self, grad_scale: float) -> None:
+        """Everything the per-block steps of one update share; the update's step number."""
+        self.global_step += 1
+        self._grad_scale_now = grad_scale
+        self._stepped: set[int] = set()
+        self._k = 0
+        self._io0 = self.state.io_wait_s
         if self.cuda:
             # the H2D stream overwrites device weights that backward's kernels may still be
             # reading: order it after everything issued so far on the compute stream
             self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.state.begin_step(order)
-        for k, bi in enumerate(order):
-            master, exp_avg, exp_avg_sq = self.state.acquire(bi)
-            out16, slot = self._upload_target(bi, k)
-            t0 = time.perf_counter()
-            kernel(master, exp_avg, exp_avg_sq, self.grads.landing[bi], step=self.global_step,
-                   lr=self.lr, beta1=beta1, beta2=beta2, eps=cfg.eps,
-                   weight_decay=cfg.weight_decay, grad_scale=grad_scale,
-                   out16=out16 if self.dtype != torch.float32 else None)
-            if self.dtype == torch.float32 and out16 is not None:
-                out16.copy_(master)
-            rep.cpu_step_s += time.perf_counter() - t0
-            self.state.release(bi, modified=True)
-            t0 = time.perf_counter()
-            self._upload(bi, out16, slot)
-            rep.upload_s += time.perf_counter() - t0
-        self.state.end_step(order, self.global_step)
+        self.state.begin_step(self._step_order())
+
+    def _step_block(self, bi: int, rep: StepReport) -> None:
+        """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier."""
+        cfg = self.cfg
+        beta1, beta2 = cfg.betas
+        kernel = _torch_adamw_step if (cfg.offload == "none" and self.cuda) else cpu_adamw_step
+        master, exp_avg, exp_avg_sq = self.state.acquire(bi)
+        out16, slot = self._upload_target(bi, self._k)
+        self._k += 1
+        t0 = time.perf_counter()
+        kernel(master, exp_avg, exp_avg_sq, self.grads.landing[bi], step=self.global_step,
+               lr=self.lr, beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+               grad_scale=self._grad_scale_now,
+               out16=out16 if self.dtype != torch.float32 else None)
+        if self.dtype == torch.float32:
+            out16.copy_(master)
+        rep.cpu_step_s += time.perf_counter() - t0
+        self.state.release(bi, modified=True)
+        t0 = time.perf_counter()
+        self._upload(bi, out16, slot)
+        rep.upload_s += time.perf_counter() - t0
+        self._stepped.add(bi)
+
+    def _finish_update(self, rep: StepReport) -> None:
+        """Blocks not stepped yet, then make the update durable and visible to the next forward."""
+        for bi in self._step_order():
+            if bi not in self._stepped:
+                self._step_block(bi, rep)
+        t0 = time.perf_counter()
+        for h in self._weight_writes:  # nvme-tier weights: the next forward reads the files
+            h.wait()
+        self._weight_writes = []
+        self._ring_writes = {}
+        rep.io_wait_s += time.perf_counter() - t0 + self._pending_io_s
+        self._pending_io_s = 0.0
+        self.state.end_step(self._step_order(), self.global_step)
         if self.cuda:
             t0 = time.perf_counter()
             # the next forward runs on the compute stream; it must see the new weights
             torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
             rep.upload_s += time.perf_counter() - t0
-        rep.io_wait_s = self.state.io_wait_s - io0
+        rep.io_wait_s += self.state.io_wait_s - self._io0
 
-    def _upload_target(self, bi: int, k: int) -> tuple[torch.Tensor, int]:
-        """Where the step writes block bi's new 16-bit weights: straight into the device buffer
-        when the device is the CPU (or the state is on the device), else a pinned ring slot."""
+    def _apply(self, grad_scale: float, rep: StepReport) -> None:
+        self._begin_update(grad_scale)
+        self._finish_update(rep)
+
+    def _upload_target(self, bi: int, k: int) -> tuple[torch.Tensor, tuple[str, int]]:
+        """Where the step writes block bi's new weights (compute dtype), and how they move on:
+        ("direct", -1): the device buffer itself (the device is the CPU, or offload="none");
+        ("ring", r): pinned ring slot r, then uploaded on the H2D stream;
+        ("host", -1): a streamed block's host buffer (cpu tier) — fetched from there next time;
+        ("nvme", r): staging slot r, then written behind to the block's weight swap file."""
+        numel = self.blocks[bi].numel
+        if bi in self.layer_of:
+            li = self.layer_of[bi]
+            target = self.streaming.weight_target(li)
+            if target is not None:
+                return target, ("host", -1)
+            if not self._weight_ring:  # aligned: O_DIRECT writes go straight out of it
+                from nvme import aligned_empty
+                largest = max(self.blocks[b].numel for b in self.layer_of)
+                self._weight_ring = [aligned_empty(largest, self.dtype)
+                                     for _ in range(self.cfg.buffer_count)]
+                self._ring_writes: dict[int, Any] = {}
+                self.account.add("host", "buffers", len(self._weight_ring) * largest * self.dtype.itemsize)
+            r = k % len(self._weight_ring)
+            if r in self._ring_writes:  # the slot's previous write must be out before reuse
+                t0 = time.perf_counter()
+                self._ring_writes.pop(r).wait()
+                self._pending_io_s += time.perf_counter() - t0
+            return self._weight_ring[r][:numel], ("nvme", r)
         if not self.cuda or self.cfg.offload == "none":
-            return self.flat16[bi], -1
-        slot = k % len(self._upload_ring)
-        done = self._upload_done[slot]
+            return self.flat16[bi], ("direct", -1)
+        r = k % len(self._upload_ring)
+        done = self._upload_done[r]
         if done is not None:
             done.synchronize()  # the slot's previous upload must have left before we overwrite
-        return self._upload_ring[slot][:self.blocks[bi].numel], slot
+        return self._upload_ring[r][:numel], ("ring", r)
 
-    def _upload(self, bi: int, out16: torch.Tensor, slot: int) -> None:
-        nbytes = self.flat16[bi].numel() * self.flat16[bi].element_size()
-        if slot >= 0:
+    def _upload(self, bi: int, out16: torch.Tensor, where: tuple[str, int]) -> None:
+        kind, r = where
+        nbytes = out16.numel() * out16.element_size()
+        if kind == "ring":
             with torch.cuda.stream(self.h2d_stream):
                 self.flat16[bi].copy_(out16, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.h2d_stream)
-            self._upload_done[slot] = ev
+            self._upload_done[r] = ev
+        elif kind == "nvme":
+            h = self.streaming.write_weights(self.layer_of[bi], out16)
+            self._ring_writes[r] = h
+            self._weight_writes.append(h)
+            self.links["nvme_write"].add(nbytes)
+            return
+        elif kind == "host":
+            return  # written in place by the kernel; the streamer fetches it next forward
         self.links["h2d"].add(nbytes)
 
     # -- inspection -------------------------------------------------------------------------
@@ -414,7 +547,10 @@ class Engine:
                     raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
                                      f"expected ({block.numel},) float32")
                 self.state.load(bi, kind, t)
-            self.flat16[bi].copy_(values["master"])  # device weights follow the masters
+            if bi in self.layer_of:  # 16-bit weights follow the masters, in their tier
+                self.streaming.load_weights(self.layer_of[bi], values["master"].to(self.dtype))
+            else:
+                self.flat16[bi].copy_(values["master"])
         self.global_step, self.micro_step = meta["global_step"], meta["micro_step"]
         self.loss_scale, self._clean_steps = meta["loss_scale"], meta["clean_steps"]
         self._hysteresis_left, self.skipped_steps = meta["hysteresis_left"], meta["skipped_steps"]
@@ -439,7 +575,12 @@ class Engine:
             h.remove()
         self._hooks.clear()
         self.grads.close()
+        if self.streaming is not None:
+            self.streaming.close()
         self.state.close()
+        if self.store is not None:
+            self.store.close()
+            self.store.engine.close()  # the store was given the engine: it does not close it
 
     def __enter__(self) -> "Engine":
         return self

@@ -223,5 +223,4 @@ class NvmeState:
         self.store.write(self.name(self.blocks[bi], kind), values.contiguous()).wait()
 
     def close(self) -> None:
-        self.drain()
-        self.store.close()
+        self.drain()  # the store itself belongs to the engine

@@ -134,7 +134,8 @@ class BlockStreamer:
                  files: Sequence[Sequence[TensorRange] | None] | None = None,
                  host_ahead: int = 1, nvme_ahead: int = 2, io: IOEngine | None = None,
                  pin: bool = True, zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
-                 progress: Callable[[int], None] | None = None):
+                 progress: Callable[[int], None] | None = None,
+                 host_flats: Sequence[torch.Tensor | None] | None = None):
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         if len(residency) != len(layers):
@@ -153,6 +154,9 @@ class BlockStreamer:
         self.pin = pin and self.cuda
         self.stats = StreamStats()
         self._files = list(files) if files is not None else [None] * len(layers)
+        # cpu-tier blocks whose flat host buffer (compute dtype, parameters in module order) the
+        # caller already owns — the training engine writes updated weights straight into it
+        self._adopt = list(host_flats) if host_flats is not None else [None] * len(layers)
         self._io, self._own_io = (io, False) if io is not None else (None, True)
         self._lock = threading.Lock()  # guards stats updated by the stage thread
         # "resident" (device, or zero-copy host), "absent", "in_flight", "in_use"
@@ -165,6 +169,7 @@ class BlockStreamer:
         self._resident: dict[int, torch.Tensor] = {}  # device-tier flat buffers
         self._host_values: dict[int, dict[str, torch.Tensor]] = {}  # module-sourced weights
         self._jobs: dict[int, tuple[Future, _Slot]] = {}
+        self._bound: dict[int, torch.Tensor] = {}  # block -> the slot view it is bound to
         self._hooks: list = []
         self.schedule: list[int] = list(range(len(layers)))
         self.cyclic = True
@@ -224,7 +229,7 @@ class BlockStreamer:
             if self.residency[i] == "nvme":
                 raise StreamError(f"block {i} is placed on nvme but has no file source")
             meta = [n for n, p in params.items() if p.device.type == "meta"]
-            if meta:
+            if meta and self._adopt[i] is None:
                 raise StreamError(f"block {i}: parameter {meta[0]} is on meta and no file source was given")
             order = list(params)
             self._stored_dtype.append(None)
@@ -233,7 +238,7 @@ class BlockStreamer:
         block = Block(index=i, name=str(i), module=layer)
         for n in order:
             p = params[n]
-            if ranges is None:  # the module's own values are this block's source: keep them
+            if ranges is None and self._adopt[i] is None:  # the module's values are the source
                 self._host_values.setdefault(i, {})[n] = p.detach().to("cpu", self.dtype).clone()
             if p.device.type == "meta" or p.device != self.device or p.dtype != self.dtype:
                 # A meta (or other device/dtype) parameter cannot take device storage in place,
@@ -248,6 +253,27 @@ class BlockStreamer:
         block.shard_numel = block.numel
         self.blocks.append(block)
         self.state.append("absent")
+
+    def bound_flat(self, i: int) -> torch.Tensor:
+        """The flat slot view block i's parameters are bound to right now (state in_use)."""
+        if i not in self._bound:
+            raise StreamError(f"block {i} is not bound to a slot (state {self.state[i]}); "
+                              f"wait({i}) first")
+        return self._bound[i]
+
+    def slot_owner(self, storage_ptr: int) -> int | None:
+        """The block whose slot has this storage (untyped_storage().data_ptr()), if any."""
+        for s in self.slots:
+            if s.raw.untyped_storage().data_ptr() == storage_ptr:
+                return s.owner
+        return None
+
+    def host_buffer(self, i: int) -> torch.Tensor:
+        """The flat host copy (compute dtype) a cpu-tier block is fetched from; writing into it
+        changes what the next fetch brings (nothing may be in flight: see release_all)."""
+        if i not in self._host:
+            raise StreamError(f"block {i} has no host buffer (residency {self.residency[i]})")
+        return self._host[i]
 
     def block_bytes(self, i: int) -> int:
         """Bytes of block i in the compute dtype (what a slot holds)."""
@@ -321,7 +347,12 @@ class BlockStreamer:
         if tier == "nvme":
             self._unbind(i)
             return
-        if tier == "device" and self.cuda:
+        if self._adopt[i] is not None:
+            flat = self._adopt[i]
+            if tier != "cpu" or flat.numel() != self.blocks[i].numel or flat.dtype != self.dtype:
+                raise StreamError(f"block {i}: an adopted host buffer must be a cpu-tier block's "
+                                  f"{self.blocks[i].numel} values in {self.dtype}")
+        elif tier == "device" and self.cuda:
             host = aligned_empty(nbytes + ALIGN)
             host_flat = _aligned_view(host, self._shift[i], nbytes).view(self.dtype)
             self._fill_host(i, host_flat)
@@ -443,7 +474,9 @@ class BlockStreamer:
         if self.cuda:
             # GPU-side: later kernels on the compute stream start after the copy finished.
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
-        bind_views(self.blocks[i], self._slot_view(i, slot))
+        flat = self._slot_view(i, slot)
+        bind_views(self.blocks[i], flat)
+        self._bound[i] = flat
         self.state[i] = "in_use"
 
     def release(self, i: int) -> None:
@@ -452,6 +485,7 @@ class BlockStreamer:
             return
         slot = next(s for s in self.slots if s.owner == i)
         self._unbind(i)
+        self._bound.pop(i, None)
         if self.cuda:
             slot.free.record(torch.cuda.current_stream(self.device))
             slot.free_recorded = True

@@ -55,8 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay (default {d['weight_decay']})")
     ap.add_argument("--grad-clip", type=float, default=None, help=f"max global gradient L2 norm, 0 = off "
                     f"(default {d['grad_clip']})")
+    ap.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default=None,
+                    help="where the blocks' 16-bit weights live: on the device (none), or streamed to it "
+                    "block by block from host RAM (cpu) or NVMe swap files (nvme) (default none)")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
+    ap.add_argument("--offload-activations", action="store_true",
+                    help="keep the checkpointed block inputs in host memory (needs --activation-checkpointing)")
     ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="updates between held-out "
                     "evaluations (0 = only at start and end)")
     ap.add_argument("--save-every", type=int, default=d["save_every"], help="updates between checkpoints "
@@ -95,8 +100,13 @@ def check_args(args: argparse.Namespace) -> None:
     mb = args.micro_batch_size or args.batch_size
     if mb < 1 or mb > args.batch_size or args.batch_size % mb:
         fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
-    if args.offload_dir is not None and args.offload not in (None, "nvme"):
-        fail(f"--offload-dir is only used with --offload nvme (got --offload {args.offload})")
+    if args.offload_dir is not None and args.offload not in (None, "nvme") \
+            and args.offload_params != "nvme":
+        fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme "
+             f"(got --offload {args.offload})")
+    if args.offload_activations and not args.activation_checkpointing:
+        fail("--offload-activations offloads the checkpointed block inputs: add "
+             "--activation-checkpointing")
     if args.stop_after is not None and args.stop_after < 1:
         fail(f"--stop-after must be at least 1, got {args.stop_after}")
     if args.warmup_steps < 0 or args.eval_every < 0 or args.save_every < 0:
@@ -117,14 +127,21 @@ def engine_config(args: argparse.Namespace, device: torch.device):
             base[key] = value
         elif key not in base or not args.config:
             base[key] = DEFAULTS[key]
+    if args.offload_params is not None:
+        base["offload_params"] = args.offload_params
+    if args.activation_checkpointing:
+        base["activation_checkpointing"] = True
+    if args.offload_activations:
+        base["offload_activations"] = True
     base["grad_accum_steps"] = args.batch_size // (args.micro_batch_size or args.batch_size)
     base["device"] = str(device)
     base["device_budget"] = args.gpu_memory or base.get("device_budget")
     base["host_budget"] = args.cpu_memory or base.get("host_budget")
-    if base["offload"] == "nvme":
+    if "nvme" in (base["offload"], base.get("offload_params")):
         base["nvme_dir"] = args.offload_dir or base.get("nvme_dir") or os.path.join(args.output, "swap")
     elif args.offload_dir:
-        fail(f"--offload-dir is only used with --offload nvme (the config says offload={base['offload']})")
+        fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme (the config "
+             f"says offload={base['offload']})")
     return OffloadConfig(**base)
 
 
@@ -220,7 +237,6 @@ def evaluate(model, data, micro_batch: int, device: torch.device) -> float:
 
 def run(args: argparse.Namespace) -> int:
     import offload
-    from offload.activations import enable_activation_checkpointing
     from offload.blocks import group_blocks
     from offload.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
     from offload.data import BatchOrder, load_documents, pack, tokenize
@@ -248,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
              f"({trainer.get('model_config', {}).get('architectures')}, "
              f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
     writable_dir(args.output, "--output")
-    if cfg.offload == "nvme":
+    if cfg.nvme_dir is not None:
         writable_dir(cfg.nvme_dir, "--offload-dir")
 
     docs = load_documents(args.data)
@@ -260,8 +276,6 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     engine = offload.initialize(model, cfg, source=source)
-    if args.activation_checkpointing:
-        enable_activation_checkpointing(model.model.layers)
     if resume_dir:
         engine.load_state(os.path.join(resume_dir, "engine"))
         set_rng_state(trainer["rng"])
