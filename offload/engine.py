@@ -21,6 +21,7 @@ import json
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -53,6 +54,8 @@ class StepReport:
     upload_s: float = 0.0  # 16-bit weights host->device
     step_s: float = 0.0  # the whole engine.step() call that applied the update
     bytes: dict[str, int] = field(default_factory=dict)  # link -> bytes this update
+    overlap_wait_s: float = 0.0  # waiting at step() for blocks stepped during backward
+    overlapped_blocks: int = 0  # blocks stepped while backward was still running
     applied: bool = True
     loss_scale: float = 1.0
     grad_norm: float | None = None
@@ -157,6 +160,9 @@ class Engine:
             enable_activation_checkpointing(self.layers, self.act_store, self.device)
         if isinstance(self.state, NvmeState):
             self.state.end_step(self._step_order(), 0)  # init state durable + first prefetch
+        self.overlap, self.overlap_why = self._overlap_allowed()
+        self._overlap_jobs: list | None = None
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
         self._weight_writes: list = []  # nvme-tier weight writes of the current step
         self._weight_ring: list[torch.Tensor] = []
         self._ring_writes: dict[int, Any] = {}
@@ -247,12 +253,21 @@ class Engine:
             raise ValueError("engine.backward needs the scalar loss tensor")
         accum = self.cfg.grad_accum_steps
         self.grads.begin_micro(self.micro_step % accum)
+        overlap = self.grads.is_last_micro and self.overlap
+        if overlap:
+            # the update's math needs nothing global (no clipping, no overflow check), so each
+            # block is stepped by the step thread as soon as its final gradients land
+            self._begin_update(1.0)
+            self._overlap_rep = StepReport()
+            self._overlap_jobs = []
+            self.grads.on_block_done = self._submit_block_step
         t0 = time.perf_counter()
         # loss / accum (not loss * (1/accum)): the same float the plain-PyTorch loop computes
         scaled = loss / accum if self.loss_scale == 1.0 else loss * self.loss_scale / accum
         try:
             scaled.backward()
         finally:
+            self.grads.on_block_done = None
             if self.streaming is not None:
                 self.streaming.end_backward()
             if self.act_store is not None:
@@ -271,6 +286,18 @@ class Engine:
         before = self._link_mark  # bytes moved since the last update (backward's d2h included)
         rep.grad_wait_s = self.grads.wait()
         self.grads.finish_window()
+        if self._overlap_jobs is not None:  # blocks already stepped during backward
+            t0 = time.perf_counter()
+            for job in self._overlap_jobs:
+                job.result()  # re-raises a failure of the step thread
+            rep.overlap_wait_s = time.perf_counter() - t0
+            rep.overlapped_blocks = len(self._overlap_jobs)
+            self._overlap_jobs = None
+            o = self._overlap_rep
+            rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
+            self._finish_update(rep)
+            self._finish_report(rep, t_step, before)
+            return True
         grad_scale, norm = self._grad_scale()
         rep.loss_scale = self.loss_scale
         rep.grad_norm = norm
@@ -400,6 +427,15 @@ class Engine:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
             rep.upload_s += time.perf_counter() - t0
         rep.io_wait_s += self.state.io_wait_s - self._io0
+
+    def _submit_block_step(self, bi: int) -> None:
+        """Called when block bi's final gradients have landed (autograd thread on CPU, landing
+        worker on CUDA): step it on the step thread while backward continues."""
+        if self.cuda and bi in self.grads.block_event and bi not in self.layer_of:
+            # the upload may overwrite the device weights only after backward's kernels that
+            # read them: the H2D stream waits on the block's last gradient event (GPU-side)
+            self.h2d_stream.wait_event(self.grads.block_event[bi])
+        self._overlap_jobs.append(self._step_thread.submit(self._step_block, bi, self._overlap_rep))
 
     def _apply(self, grad_scale: float, rep: StepReport) -> None:
         self._begin_update(grad_scale)
@@ -575,6 +611,7 @@ class Engine:
             h.remove()
         self._hooks.clear()
         self.grads.close()
+        self._step_thread.shutdown(wait=True)
         if self.streaming is not None:
             self.streaming.close()
         self.state.close()

@@ -60,7 +60,8 @@ class GradLanding:
         self.slot_norm: dict[str, torch.Tensor] = {}  # param name -> fp32 0-d norm (final grads)
         self.micro = 0  # micro-batch index inside the accumulation window
         self.landed: list[set[str]] = [set() for _ in blocks]
-        self.on_block_done: Callable[[Block], None] | None = None
+        self.on_block_done: Callable[[int], None] | None = None  # block index, all grads final
+        self.block_event: dict[int, "torch.cuda.Event"] = {}
         self._hooks: list = []
         self._errors: list[BaseException] = []
         if self.cuda:
@@ -128,7 +129,7 @@ class GradLanding:
         landed = self.landed[bi]
         landed.add(slot.name)
         if len(landed) == len(self.blocks[bi].slots) and self.on_block_done is not None:
-            self.on_block_done(self.blocks[bi])
+            self.on_block_done(bi)
 
     # -- CUDA path --------------------------------------------------------------------------
     def _land_cuda(self, bi: int, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -136,6 +137,9 @@ class GradLanding:
         # stream must not read it before they finish, hence the event wait (not a device sync).
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
+        # the latest such event of a block marks the point after every kernel that read its
+        # weights in this backward: an overlapped step may overwrite them after it
+        self.block_event[bi] = produced
         # micro-batch 0 of a window overwrites, so it can land straight in the landing buffer
         # when no dtype change is needed; anything else goes through staging + a host add.
         direct = self.micro == 0 and self.landing_dtype == self.grad_dtype

@@ -100,3 +100,24 @@ def test_streaming_refuses_frozen_block_params(tmp_path):
     model.layers[1][0].bias.requires_grad_(False)
     with pytest.raises(ConfigError, match="frozen"):
         offload.initialize(model, _cfg(tmp_path, "x", offload_params="cpu"))
+
+
+@pytest.mark.parametrize("params,opt", [("none", "cpu"), ("none", "nvme"), ("nvme", "nvme")])
+def test_overlapped_step_is_identical_and_overlaps(params, opt, tmp_path):
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    ref_model = copy.deepcopy(model)
+    batches = lm_batches(2 * UPDATES, 1024)
+    kw = dict(offload=opt, offload_params=params, grad_accum_steps=2)
+    ref, ref_losses, ref_rep = _train(ref_model, batches, hf_loss,
+                                      _cfg(tmp_path, "ref", overlap_step=False, **kw))
+    got, losses, rep = _train(model, batches, hf_loss, _cfg(tmp_path, "got", **kw))
+    assert ref_rep.overlapped_blocks == 0 and rep.overlapped_blocks >= 4  # the 4 layers at least
+    assert losses == ref_losses and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_overlap_is_off_when_the_math_needs_every_gradient(tmp_path):
+    for kw, why in ((dict(grad_clip=1.0), "clipping"), (dict(dtype="fp16"), "overflow")):
+        engine = offload.initialize(MLP(), _cfg(tmp_path, "x" + why, **kw))
+        assert not engine.overlap and why in engine.overlap_why
+        engine.close()
