@@ -35,7 +35,7 @@ from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
 from offload.tiers import BudgetError, LinkCounter, MemoryAccount, format_report, host_empty, peak_rss_bytes
-from offload.train_plan import plan_training
+from offload.train_plan import grad_pool_buffers, plan_training
 from offload.train_stream import TrainingStreamer
 
 
@@ -108,6 +108,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_report = StepReport()
         self._pending = StepReport()
+        self.overlap, self.overlap_why = self._overlap_allowed()
         self._check_budgets()
 
         # optimizer state; then 16-bit weights, one block at a time so the peak extra memory
@@ -160,7 +161,6 @@ class Engine:
             enable_activation_checkpointing(self.layers, self.act_store, self.device)
         if isinstance(self.state, NvmeState):
             self.state.end_step(self._step_order(), 0)  # init state durable + first prefetch
-        self.overlap, self.overlap_why = self._overlap_allowed()
         self._overlap_jobs: list | None = None
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
         self._weight_writes: list = []  # nvme-tier weight writes of the current step
@@ -172,7 +172,8 @@ class Engine:
         self.grads = GradLanding(
             self.blocks, self.dtype, cfg.grad_accum_steps, self.account, self.links["d2h"],
             source_device=self.device, pin=self.pin,
-            landing_device=self.device if cfg.offload == "none" else torch.device("cpu"))
+            landing_device=self.device if cfg.offload == "none" else torch.device("cpu"),
+            pool_buffers=grad_pool_buffers(cfg, len(self.blocks)))
         self.grads.attach()
 
         if self.cuda:
@@ -197,7 +198,8 @@ class Engine:
 
     def _check_budgets(self) -> None:
         """Refuse, before allocating anything, a configuration whose tiers do not fit."""
-        self.plan = plan_training([b.numel for b in self.blocks], self.cfg, self.device)
+        self.plan = plan_training([(b.numel, b.module is not None) for b in self.blocks],
+                                  self.cfg, self.device)
         self.plan.check()
 
     def _make_store(self):
@@ -395,13 +397,14 @@ class Engine:
         out16, slot = self._upload_target(bi, self._k)
         self._k += 1
         t0 = time.perf_counter()
-        kernel(master, exp_avg, exp_avg_sq, self.grads.landing[bi], step=self.global_step,
+        kernel(master, exp_avg, exp_avg_sq, self.grads.buffer(bi), step=self.global_step,
                lr=self.lr, beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                grad_scale=self._grad_scale_now,
                out16=out16 if self.dtype != torch.float32 else None)
         if self.dtype == torch.float32:
             out16.copy_(master)
         rep.cpu_step_s += time.perf_counter() - t0
+        self.grads.release_buffer(bi)
         self.state.release(bi, modified=True)
         t0 = time.perf_counter()
         self._upload(bi, out16, slot)

@@ -29,11 +29,15 @@ from offload.blocks import Block, ParamSlot
 from offload.tiers import LinkCounter, MemoryAccount, host_empty, host_zeros
 
 
+POOL_TIMEOUT_S = 600.0
+
+
 class GradLanding:
     def __init__(self, blocks: list[Block], grad_dtype: torch.dtype, accum_steps: int,
                  account: MemoryAccount, d2h: LinkCounter, *,
                  source_device: torch.device = torch.device("cpu"),
-                 landing_device: torch.device = torch.device("cpu"), pin: bool = False):
+                 landing_device: torch.device = torch.device("cpu"), pin: bool = False,
+                 pool_buffers: int = 0):
         self.blocks = blocks
         self.grad_dtype = grad_dtype
         self.accum_steps = accum_steps
@@ -45,11 +49,28 @@ class GradLanding:
         # precision, so with accumulation the landing buffer is fp32.
         self.landing_dtype = torch.float32 if accum_steps > 1 else grad_dtype
         tier = "host" if landing_device.type == "cpu" else "device"
-        self.landing = [host_zeros(b.numel, self.landing_dtype, pin) if tier == "host" else
-                        torch.zeros(b.numel, dtype=self.landing_dtype, device=landing_device)
-                        for b in blocks]
-        for t in self.landing:
-            account.add(tier, "grads", t.numel() * t.element_size())
+        # Pooled landing (the overlapped step without accumulation): each block's gradients are
+        # consumed by its step as soon as they are complete, so a few block-sized buffers,
+        # taken when a block's first gradient lands and given back after its step, replace one
+        # buffer per block — host memory for gradients no longer grows with the model.
+        self.pooled = pool_buffers > 0
+        self.landing: list[torch.Tensor | None]
+        if self.pooled:
+            assert accum_steps == 1 and tier == "host", "pooled landing needs accum 1 on the host"
+            largest = max(b.numel for b in blocks)
+            self._pool: queue.Queue = queue.Queue()
+            for _ in range(pool_buffers):
+                self._pool.put(host_zeros(largest, self.landing_dtype, pin))
+            account.add(tier, "grads", pool_buffers * largest * self.landing_dtype.itemsize)
+            self.landing = [None] * len(blocks)
+            self._base: list[torch.Tensor | None] = [None] * len(blocks)
+            self.pool_wait_s = 0.0
+        else:
+            self.landing = [host_zeros(b.numel, self.landing_dtype, pin) if tier == "host" else
+                            torch.zeros(b.numel, dtype=self.landing_dtype, device=landing_device)
+                            for b in blocks]
+            for t in self.landing:
+                account.add(tier, "grads", t.numel() * t.element_size())
         # A device->host copy cannot add into its destination, so on CUDA with accumulation
         # each micro-batch lands in a pinned staging buffer first and is added on the host.
         self.staging: list[torch.Tensor] | None = None
@@ -65,7 +86,7 @@ class GradLanding:
         self._hooks: list = []
         self._errors: list[BaseException] = []
         if self.cuda:
-            self.stream = torch.cuda.Stream(device)
+            self.stream = torch.cuda.Stream(source_device)
             self._work: queue.Queue = queue.Queue()
             self._pending = 0
             self._cv = threading.Condition()
@@ -114,15 +135,37 @@ class GradLanding:
             self.d2h.add(nbytes)
         return hook
 
+    def buffer(self, bi: int) -> torch.Tensor:
+        """Block bi's landing buffer (pooled: taken from the pool on first use)."""
+        t = self.landing[bi]
+        if t is None:
+            t0 = time.perf_counter()
+            try:
+                base = self._pool.get(timeout=POOL_TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError(f"gradient landing pool exhausted for {POOL_TIMEOUT_S} s "
+                                   f"(block {self.blocks[bi].name}); the step thread is not "
+                                   f"returning buffers") from None
+            self.pool_wait_s += time.perf_counter() - t0
+            self._base[bi] = base
+            t = self.landing[bi] = base[:self.blocks[bi].numel]
+        return t
+
+    def release_buffer(self, bi: int) -> None:
+        """Pooled: block bi has been stepped; its buffer goes back to the pool."""
+        if self.pooled and self._base[bi] is not None:
+            base, self._base[bi], self.landing[bi] = self._base[bi], None, None
+            self._pool.put(base)
+
     def _land_host(self, bi: int, slot: ParamSlot, src: torch.Tensor, micro: int) -> None:
-        dst = self.landing[bi][slot.offset:slot.offset + slot.numel]
+        dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
         if micro == 0:
             dst.copy_(src)
         else:
             dst.add_(src)
 
     def _after_land(self, bi: int, slot: ParamSlot) -> None:
-        dst = self.landing[bi][slot.offset:slot.offset + slot.numel]
+        dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
         # norm in fp32 whatever the landing dtype: the same number clip_grad_norm_ computes
         # per parameter before combining them.
         self.slot_norm[slot.name] = torch.linalg.vector_norm(dst, dtype=torch.float32)
@@ -143,7 +186,7 @@ class GradLanding:
         # micro-batch 0 of a window overwrites, so it can land straight in the landing buffer
         # when no dtype change is needed; anything else goes through staging + a host add.
         direct = self.micro == 0 and self.landing_dtype == self.grad_dtype
-        dst_buf = self.landing[bi] if direct else self.staging[bi]  # type: ignore[index]
+        dst_buf = self.buffer(bi) if direct else self.staging[bi]  # type: ignore[index]
         dst = dst_buf[slot.offset:slot.offset + slot.numel]
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(produced)
@@ -193,7 +236,7 @@ class GradLanding:
         for bi, block in enumerate(self.blocks):
             for slot in block.slots:
                 if slot.name not in self.landed[bi]:
-                    self.landing[bi][slot.offset:slot.offset + slot.numel].zero_()
+                    self.buffer(bi)[slot.offset:slot.offset + slot.numel].zero_()
                     self.slot_norm[slot.name] = torch.zeros((), dtype=torch.float32)
                     self.landed[bi].add(slot.name)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.config import OffloadConfig, format_bytes
-from offload.tiers import (TIERS, check_fits, device_free_bytes, disk_free_bytes,
+from offload.tiers import (TIERS, BudgetError, check_fits, device_free_bytes, disk_free_bytes,
                            host_free_bytes)
 
 
@@ -75,30 +75,159 @@ class TrainingPlan:
         return "\n".join(lines)
 
 
-def plan_training(block_params: list[int], cfg: OffloadConfig,
-                  device: torch.device | None = None) -> TrainingPlan:
-    """Bytes per tier for training a model whose trainable parameters form blocks of the given
-    sizes (element counts), under `cfg`."""
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation bytes of one block for the planned batch: with everything kept for backward
+    (`full`), and what a checkpoint keeps (`input`: the block's input hidden states)."""
+    full: int
+    input: int
+    head: int = 0  # logits and loss outside the blocks
+
+
+def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtype
+                              ) -> ActivationEstimate:
+    """Estimate for a Llama-family block: Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) bytes at
+    16 bits (attention scores counted; SDPA's fused kernels keep less), scaled to the dtype;
+    logits [b, s, vocab] in fp32 twice (value and gradient)."""
+    h, a = model_cfg.hidden_size, model_cfg.num_attention_heads
+    scale = dtype.itemsize / 2
+    full = int(seq * batch * h * (34 + 5 * a * seq / h) * scale)
+    return ActivationEstimate(full=full, input=seq * batch * h * dtype.itemsize,
+                              head=2 * batch * seq * model_cfg.vocab_size * 4)
+
+
+def grad_pool_buffers(cfg: OffloadConfig, num_blocks: int) -> int:
+    """Block-sized gradient landing buffers when gradients can be pooled (0: one per block).
+    Pooling needs the overlapped step (each block consumed as soon as it lands) and no
+    accumulation (nothing to keep between micro-batches)."""
+    overlap = cfg.overlap_step and cfg.grad_clip == 0 and cfg.dtype != "fp16"
+    if not overlap or cfg.grad_accum_steps > 1 or cfg.offload == "none":
+        return 0
+    pool = max(3, cfg.buffer_count)
+    return pool if pool < num_blocks else 0
+
+
+def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
+                  device: torch.device | None = None,
+                  activations: ActivationEstimate | None = None) -> TrainingPlan:
+    """Bytes per tier for training a model whose trainable parameters form `blocks`
+    ((element count, is a ModuleList layer) each), under `cfg`; activations when estimated."""
     device = device or cfg.resolve_device()
-    n, largest = sum(block_params), max(block_params)
+    sizes = [n for n, _ in blocks]
+    layers = [n for n, is_layer in blocks if is_layer]
+    n, largest = sum(sizes), max(sizes)
     itemsize = cfg.torch_dtype.itemsize
+    streamed = cfg.offload_params != "none" and bool(layers)
     grad_bytes = n * (4 if cfg.grad_accum_steps > 1 else itemsize)
-    plan = TrainingPlan(cfg, device, n, largest, len(block_params))
-    plan.bytes = {"device": {"weights": n * itemsize}, "host": {}, "nvme": {}}
+    plan = TrainingPlan(cfg, device, n, largest, len(blocks))
+    dev: dict[str, int] = {}
+    host: dict[str, int] = {}
+    nvme: dict[str, int] = {}
+    plan.bytes = {"device": dev, "host": host, "nvme": nvme}
+    if streamed:
+        largest_layer = max(layers)
+        depth = cfg.prefetch_blocks if cfg.offload_params == "nvme" else 1
+        dev["weights"] = (n - sum(layers)) * itemsize + (1 + depth) * largest_layer * itemsize
+        if cfg.offload_params == "cpu":
+            host["weights"] = sum(layers) * itemsize
+        else:
+            nvme["weights"] = sum(layers) * itemsize
+            host["buffers"] = cfg.buffer_count * largest_layer * itemsize
+    else:
+        dev["weights"] = n * itemsize
+    if activations is not None:
+        per_layer = activations.input if cfg.activation_checkpointing else activations.full
+        kept = 0 if cfg.offload_activations else per_layer * len(layers)
+        # with checkpointing, one block's full activations exist while it is recomputed
+        dev["activations"] = kept + activations.head + (
+            activations.full if cfg.activation_checkpointing else 0)
+        if cfg.offload_activations:
+            host["activations"] = activations.input * len(layers)
     if cfg.offload == "none":
-        plan.bytes["device"].update(grads=grad_bytes, masters=n * 4, moments=n * 8)
+        dev.update(grads=grad_bytes, masters=n * 4, moments=n * 8)
         return plan
-    plan.bytes["host"]["grads"] = grad_bytes
+    pool = grad_pool_buffers(cfg, len(blocks))
+    host["grads"] = pool * largest * itemsize if pool else grad_bytes
     if device.type == "cuda":
         # pinned staging the 16-bit weights are uploaded from (a ring of buffer_count blocks)
-        ring = max(2, min(cfg.buffer_count, len(block_params)))
-        plan.bytes["host"]["buffers"] = ring * largest * itemsize
+        ring = max(2, min(cfg.buffer_count, len(blocks)))
+        host["buffers"] = host.get("buffers", 0) + ring * largest * itemsize
         if cfg.grad_accum_steps > 1:  # 16-bit gradients staged before the fp32 host add
-            plan.bytes["host"]["buffers"] += n * itemsize
+            host["buffers"] += n * itemsize
     if cfg.offload == "cpu":
-        plan.bytes["host"].update(masters=n * 4, moments=n * 8)
+        host.update(masters=n * 4, moments=n * 8)
     else:
-        plan.bytes["host"]["buffers"] = (plan.bytes["host"].get("buffers", 0)
-                                         + cfg.buffer_count * largest * 12)
-        plan.bytes["nvme"].update(masters=n * 4, moments=n * 8)
+        host["buffers"] = host.get("buffers", 0) + cfg.buffer_count * largest * 12
+        nvme.update(masters=n * 4, moments=n * 8)
     return plan
+
+
+# The configurations `choose_training_config` tries, fastest first: each step moves the
+# largest remaining consumer of the scarcest tier one tier down.
+CANDIDATES: list[tuple[str, dict]] = [
+    ("all on the device", dict(offload="none", offload_params="none", activation_checkpointing=False)),
+    ("optimizer state in host RAM", dict(offload="cpu", offload_params="none", activation_checkpointing=False)),
+    ("+ activation checkpointing", dict(offload="cpu", offload_params="none", activation_checkpointing=True)),
+    ("optimizer state on NVMe", dict(offload="nvme", offload_params="none", activation_checkpointing=True)),
+    ("+ weights streamed from host RAM", dict(offload="nvme", offload_params="cpu", activation_checkpointing=True)),
+    ("+ activations in host RAM", dict(offload="nvme", offload_params="cpu", activation_checkpointing=True,
+                                       offload_activations=True)),
+    ("weights streamed from NVMe", dict(offload="nvme", offload_params="nvme", activation_checkpointing=True,
+                                        offload_activations=True)),
+]
+
+
+def plan_fits(plan: TrainingPlan) -> str | None:
+    """None when the plan fits, else why not (BudgetError's message)."""
+    try:
+        plan.check()
+    except BudgetError as e:
+        return str(e)
+    return None
+
+
+def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
+                           device: torch.device, activations: ActivationEstimate | None = None
+                           ) -> tuple[OffloadConfig, str]:
+    """The fastest candidate configuration that fits the budgets (NVMe ones only when
+    base.nvme_dir is set), and a sentence saying why. Raises BudgetError saying what would fit."""
+    last_error = None
+    for label, changes in CANDIDATES:
+        if "nvme" in (changes["offload"], changes["offload_params"]) and not base.nvme_dir:
+            continue
+        cfg = base.replace(**{"offload_activations": False, **changes})
+        why = plan_fits(plan_training(blocks, cfg, device, activations))
+        if why is None:
+            return cfg, f"chose '{label}': the fastest configuration that fits the budgets"
+        last_error = why
+    hint = ("" if base.nvme_dir else " (give an offload dir to let the planner use NVMe)")
+    grads = ""
+    if grad_pool_buffers(base.replace(offload="nvme"), len(blocks)) == 0 and base.grad_accum_steps == 1:
+        grads = ("; gradients are held for the whole model because " +
+                 ("clipping needs the global norm" if base.grad_clip > 0 else "the fp16 overflow "
+                  "check needs every gradient") + " before the step — without it (--grad-clip 0, "
+                 "bf16) they stream through a few block-sized buffers")
+    raise BudgetError(f"no offload configuration fits{hint}; the smallest still fails: "
+                      f"{last_error}{grads}; a smaller batch or sequence length, or larger budgets "
+                      f"would")
+
+
+def estimator_table(blocks: list[tuple[int, bool]], base: OffloadConfig, device: torch.device,
+                    activations: ActivationEstimate | None = None) -> str:
+    """The ZeRO paper's memory table for this model and machine: bytes per parameter on each
+    tier for each configuration, the totals, and whether it fits the budgets."""
+    n = sum(size for size, _ in blocks)
+    lines = [f"memory estimator: {n / 1e9:.2f}B parameters, {base.dtype}, device {device}",
+             f"  {'configuration':<34} {'device B/param':>14} {'host B/param':>12} "
+             f"{'nvme B/param':>12} {'device':>10} {'host':>10} {'nvme':>10}  fits"]
+    for label, changes in CANDIDATES:
+        cfg = base.replace(**{"offload_activations": False, "nvme_dir": base.nvme_dir or ".", **changes})
+        plan = plan_training(blocks, cfg, device, activations)
+        states = {t: sum(v for k, v in plan.bytes[t].items() if k != "activations") for t in TIERS}
+        fits = "yes" if plan_fits(plan) is None else "no"
+        lines.append(f"  {label:<34} {states['device'] / n:14.2f} {states['host'] / n:12.2f} "
+                     f"{states['nvme'] / n:12.2f} {format_bytes(plan.total('device')):>10} "
+                     f"{format_bytes(plan.total('host')):>10} {format_bytes(plan.total('nvme')):>10}  {fits}")
+    lines.append("  (B/param: model states only — weights, gradients, fp32 masters and moments, "
+                 "buffers; the GiB columns add estimated activations)")
+    return "\n".join(lines)

@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "name (tiny, small, 1B, 3B, 7B, 8B, 13B, 70B, ...; presets start from random weights)")
     ap.add_argument("--data", default=None, help="a .txt file, a .jsonl file ('text' or 'prompt'/'response' "
                     "per line) or a directory of them; default: the built-in corpus")
-    ap.add_argument("--offload", choices=["none", "cpu", "nvme"], default=None,
-                    help=f"where fp32 masters and Adam moments live (default {d['offload']})")
+    ap.add_argument("--offload", choices=["none", "cpu", "nvme", "auto"], default=None,
+                    help=f"where fp32 masters and Adam moments live (default {d['offload']}); auto: the "
+                    "planner picks optimizer tier, weight tier, checkpointing and activation offload "
+                    "from the budgets")
     ap.add_argument("--offload-dir", default=None, help="directory for NVMe swap files "
                     "(default: OUTPUT/swap); only with --offload nvme")
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
@@ -100,7 +102,7 @@ def check_args(args: argparse.Namespace) -> None:
     mb = args.micro_batch_size or args.batch_size
     if mb < 1 or mb > args.batch_size or args.batch_size % mb:
         fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
-    if args.offload_dir is not None and args.offload not in (None, "nvme") \
+    if args.offload_dir is not None and args.offload not in (None, "nvme", "auto") \
             and args.offload_params != "nvme":
         fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme "
              f"(got --offload {args.offload})")
@@ -137,7 +139,10 @@ def engine_config(args: argparse.Namespace, device: torch.device):
     base["device"] = str(device)
     base["device_budget"] = args.gpu_memory or base.get("device_budget")
     base["host_budget"] = args.cpu_memory or base.get("host_budget")
-    if "nvme" in (base["offload"], base.get("offload_params")):
+    auto = base["offload"] == "auto"
+    if auto:
+        base["offload"] = "cpu"  # a placeholder: the planner decides after the model is known
+    if auto or "nvme" in (base["offload"], base.get("offload_params")):
         base["nvme_dir"] = args.offload_dir or base.get("nvme_dir") or os.path.join(args.output, "swap")
     elif args.offload_dir:
         fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme (the config "
@@ -240,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
     from offload.blocks import group_blocks
     from offload.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
     from offload.data import BatchOrder, load_documents, pack, tokenize
-    from offload.train_plan import plan_training
+    from offload.tiers import BudgetError
+    from offload.train_plan import (choose_training_config, estimator_table,
+                                    llama_activation_estimate, plan_training)
     from runners.report import Banner
 
     check_args(args)
@@ -249,13 +256,25 @@ def run(args: argparse.Namespace) -> int:
     model, model_cfg, source, tokenizer = load_model(args)
     micro = args.micro_batch_size or args.batch_size
     blocks, _ = group_blocks(model)
-    plan = plan_training([b.numel for b in blocks], cfg, device)
-    banner = Banner(args, cfg, model_cfg, plan, device)
+    shape = [(b.numel, b.module is not None) for b in blocks]
+    acts = llama_activation_estimate(model_cfg, micro, args.seq_len, cfg.torch_dtype)
+    choice = None
+    if args.offload == "auto":
+        try:
+            cfg, choice = choose_training_config(shape, cfg, device, acts)
+        except BudgetError:
+            if args.dry_run:  # still show what each configuration would need
+                print(estimator_table(shape, cfg, device, acts))
+            raise
+    plan = plan_training(shape, cfg, device, acts)
+    banner = Banner(args, cfg, model_cfg, plan, device, choice)
     print(banner.render())
     if args.dry_run:
+        print(estimator_table(shape, cfg, device, acts))
         plan.check()
         print("dry run: the plan fits; nothing was allocated")
         return 0
+    plan.check()
 
     resume_dir = find_checkpoint(args.resume) if args.resume else None
     trainer: dict[str, Any] = load_trainer_state(resume_dir) if resume_dir else {}

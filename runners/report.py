@@ -15,8 +15,9 @@ from offload.config import OffloadConfig, format_bytes
 
 class Banner:
     def __init__(self, args: argparse.Namespace, cfg: OffloadConfig, model_cfg, plan,
-                 device: torch.device):
+                 device: torch.device, choice: str | None = None):
         self.args, self.cfg, self.model_cfg, self.plan, self.device = args, cfg, model_cfg, plan, device
+        self.choice = choice  # the planner's sentence when --offload auto chose the configuration
 
     def render(self) -> str:
         a, cfg, m = self.args, self.cfg, self.model_cfg
@@ -47,8 +48,21 @@ class Banner:
             f"{_budget(cfg.budget_bytes('host'))}"
             + (f", nvme {_budget(cfg.budget_bytes('nvme'))}" if cfg.offload == "nvme" else ""),
         ]
-        if a.activation_checkpointing:
-            lines.append("  activations checkpointed per block (recomputed in backward)")
+        if cfg.offload_params != "none":
+            lines.append(f"  weights   the blocks' {cfg.dtype} weights live in "
+                         f"{'host RAM' if cfg.offload_params == 'cpu' else 'NVMe swap files'} and are "
+                         f"streamed to the device one block ahead in forward and backward")
+        if cfg.activation_checkpointing:
+            lines.append("  activations checkpointed per block (recomputed in backward)"
+                         + ("; checkpointed inputs kept in host RAM" if cfg.offload_activations else ""))
+        overlap = cfg.overlap_step and cfg.grad_clip == 0 and cfg.dtype != "fp16"
+        lines.append("  CPU step  " + ("overlapped with backward: each block steps as its gradients land"
+                                       if overlap else "after backward" + (
+                                           " (clipping needs the global gradient norm first)"
+                                           if cfg.grad_clip > 0 else " (the fp16 overflow check needs "
+                                           "every gradient first)" if cfg.dtype == "fp16" else "")))
+        if self.choice:
+            lines.append(f"  planner   {self.choice}")
         lines += ["  " + line for line in self.plan.format().splitlines()]
         return "\n".join(lines)
 

@@ -195,7 +195,7 @@ def test_fp16_overflow_skips_update(mode, tmp_path):
 
 def test_memory_report_and_time_split(tmp_path):
     model = MLP()
-    engine = offload.initialize(model, _cfg("nvme", tmp_path))
+    engine = offload.initialize(model, _cfg("nvme", tmp_path, overlap_step=False))
     engine.backward(mlp_loss(model, mlp_batches(1)[0]))
     engine.step()
     rep = engine.memory_report()
@@ -270,3 +270,19 @@ def test_save_and_resume_state_is_exact(mode, tmp_path):
         other.load_state(str(tmp_path / "ckpt"))
     eng_c.close()
     other.close()
+
+
+def test_pooled_gradient_landing_bounds_host_grads(tmp_path):
+    """With the overlapped step and no accumulation, gradient landing buffers come from a pool
+    of block-sized buffers: host memory for gradients stops growing with depth."""
+    model = MLP(depth=12)
+    ref_model = copy.deepcopy(model)
+    batches = mlp_batches(5)
+    cfg = _cfg("cpu", tmp_path, buffer_count=3)
+    engine, masters, _, _ = engine_train(model, batches, mlp_loss, cfg)
+    largest = max(b.numel for b in engine.blocks)
+    assert engine.grads.pooled and engine.memory_report()["host"]["grads"] == 3 * largest * 4
+    engine.close()
+    ref, _ = reference_train(ref_model, batches, mlp_loss, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                             wd=cfg.weight_decay, clip=0.0, accum=1)
+    assert max_rel_diff(masters, ref) <= 1e-6
