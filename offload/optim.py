@@ -214,8 +214,10 @@ def _self_check(fn) -> str | None:
     return None
 
 
-def _build_kernel() -> tuple[object | None, str]:
-    """Compile (or reuse from the on-disk cache) and self-check the kernel: (ctypes fn, why)."""
+def _build_kernel(arch_flag_sets: list[list[str]] | None = None,
+                  cache: Path | None = None) -> tuple[object | None, str]:
+    """Compile (or reuse from the on-disk cache) and self-check the kernel: (ctypes fn, why).
+    The arguments exist for tests (e.g. to build the portable, no-arch-flags variant)."""
     compiler = find_compiler()
     if compiler is None:
         return None, "no C compiler (cc/gcc/clang or $CC) on PATH"
@@ -227,14 +229,14 @@ def _build_kernel() -> tuple[object | None, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         version = repr(exc)
     source = _SOURCE.read_bytes()
-    cache = _cache_dir()
+    cache = cache or _cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError:  # read-only home: a per-user temp dir still saves the rebuild per process
         cache = Path(tempfile.gettempdir()) / f"offload-kernels-{getattr(os, 'getuid', lambda: 0)()}"
         cache.mkdir(parents=True, exist_ok=True)
     why = ""
-    for arch in _ARCH_FLAG_SETS:
+    for arch in _ARCH_FLAG_SETS if arch_flag_sets is None else arch_flag_sets:
         key = hashlib.sha256(b"\0".join(
             [source, version.encode(), " ".join(_BASE_CFLAGS + arch).encode(),
              _cpu_identity().encode(), sys.platform.encode()])).hexdigest()[:20]
