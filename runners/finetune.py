@@ -274,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
         plan.check()
         print("dry run: the plan fits; nothing was allocated")
         return 0
+    writable_dir(args.output, "--output")  # before the plan: a precise error beats "0 B free"
+    if cfg.nvme_dir is not None:
+        writable_dir(cfg.nvme_dir, "--offload-dir")
     plan.check()
 
     resume_dir = find_checkpoint(args.resume) if args.resume else None
@@ -282,9 +285,6 @@ def run(args: argparse.Namespace) -> int:
         fail(f"--resume {args.resume}: the checkpoint is from a different model "
              f"({trainer.get('model_config', {}).get('architectures')}, "
              f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
-    writable_dir(args.output, "--output")
-    if cfg.nvme_dir is not None:
-        writable_dir(cfg.nvme_dir, "--offload-dir")
 
     docs = load_documents(args.data)
     ids, mask = tokenize(docs, tokenizer.encode, tokenizer.eos_id, getattr(tokenizer, "bos_id", None))

@@ -76,7 +76,10 @@ def test_70b_on_meta_peaks_below_500mb() -> None:
         "m = build_model(cfg, 'meta', torch.bfloat16)\n"
         "n = sum(p.numel() for p in m.parameters())\n"
         "assert n == num_params(cfg), n\n"
-        "print(n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"  # KiB on Linux
+        # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve, so a child spawned from a
+        # big test process would report the parent's peak; VmHWM belongs to this address space
+        "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
+        "print(n, int(hwm.split()[1]))\n"  # KiB
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=os.environ.copy())
