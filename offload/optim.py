@@ -19,16 +19,21 @@ Two implementations remove the extra 12 B; both use all torch.get_num_threads() 
   on the torch/Python ABI, so copying the project to another machine (Python 3.12, torch 2.11 + CUDA)
   only triggers a rebuild keyed on that machine's compiler and CPU. ctypes drops the GIL for the call.
 * "torch" (fallback when no compiler works): the block is cut into chunks small enough that a chunk
-  of all five buffers stays in L3 (256 Ki params = 4 MiB of state); per chunk, grad is upcast into a
-  reused fp32 scratch, torch._fused_adamw_ runs on the chunk views, and out16 is copied from the
-  still-cache-hot master. DRAM traffic is again ~28 B/param; the upcast and copy-out only touch
-  cache. Each torch op parallelises internally over the chunk.
+  of all the buffers stays in L3 (256 Ki params: 5 MiB with the scratch); per chunk, grad is upcast
+  into a reused fp32 scratch, torch._fused_adamw_ runs on the chunk views, and out16 is copied from
+  the still-cache-hot master. DRAM traffic is again ~28 B/param; the upcast and copy-out only touch
+  cache. Each torch op parallelises internally (OpenMP) over the chunk. The price is ~3 OpenMP
+  regions per chunk: on an idle machine that is nearly free, but when other processes compete for
+  the cores every region's barrier can wait out a scheduler time slice, and this path slows down far
+  more than the C kernel (whose threads claim chunks and never wait for each other mid-step).
 
 Exactness versus torch.optim.AdamW (default single-tensor path): the "c" kernel repeats its ops in
-the same order and rounding (see the C file's header), so exp_avg and exp_avg_sq come out bit-identical
-on x86; master differs by at most a few ulps of the *update* because torch's CPU sqrt (MKL VML on x86
-builds) is not correctly rounded while C's sqrtf is. The "torch" path inherits the fused kernel's
-slightly different formula ordering (~5e-8 relative on master). Both are far inside 1e-6.
+the same order and rounding (see the C file's header), so exp_avg and exp_avg_sq come out
+bit-identical on this x86 build; master differs by about one rounding of the *update* (1e-7 of
+max|master| after 20 steps) only because torch's CPU sqrt (MKL VML on x86 builds) is not correctly
+rounded while C's sqrtf is: with a correctly rounded sqrt in the reference, all three buffers match
+bit for bit. The "torch" path has the same master difference and, from the fused kernel's operation
+order, 1-ulp differences on a handful of exp_avg_sq elements. Both are far inside 1e-6.
 
 grad_scale: the reference unscales/clips by multiplying the fp32 grads by an fp32 factor
 (torch.nn.utils.clip_grad_norm_ does grads.mul_(clip_coef) with a float32 tensor), so here
@@ -179,14 +184,23 @@ def _compile(compiler: str, arch_flags: list[str], out_path: Path) -> None:
             os.unlink(tmp)
 
 
-def _bind(lib_path: Path):
-    fn = ctypes.CDLL(str(lib_path)).offload_cpu_adamw
-    f32, i32, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64,          # buffers, dtypes, numel
-                   f32, f32, i32, f32, f32, f32, f32, f32, f32,     # coefficients
-                   i32, i64]                                        # threads, min params/thread
-    fn.restype = ctypes.c_int
-    return fn
+class _Kernel:
+    """The loaded C library's two entry points: the one-pass update and its two phases."""
+
+    def __init__(self, lib) -> None:
+        f32, i32, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        coeffs = [f32, f32, i32, f32, f32, f32, f32, f32, f32]
+        self.full = lib.offload_cpu_adamw
+        self.full.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64,  # buffers, dtypes, numel
+                              *coeffs, i32, i64]                      # threads, min params/thread
+        self.full.restype = ctypes.c_int
+        self.phase = lib.offload_cpu_adamw_phase
+        self.phase.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i32, ptr, i32, i64, *coeffs, i32, i64]
+        self.phase.restype = ctypes.c_int
+
+
+def _bind(lib_path: Path) -> _Kernel:
+    return _Kernel(ctypes.CDLL(str(lib_path)))
 
 
 def _self_check(fn) -> str | None:
@@ -311,15 +325,50 @@ def active_implementation(impl: Impl = "auto") -> str:
 # The two implementations
 # ----------------------------------------------------------------------------------------------
 
-def _step_c(fn, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            grad: torch.Tensor, out16: torch.Tensor | None, c: AdamWCoefficients) -> None:
-    rc = fn(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-            _DTYPE_CODE[grad.dtype], None if out16 is None else out16.data_ptr(),
-            0 if out16 is None else _DTYPE_CODE[out16.dtype], master.numel(),
-            c.grad_scale, c.decay, int(c.apply_decay), c.lerp_weight, c.beta2, c.one_minus_beta2,
-            c.bc2_sqrt, c.eps, c.neg_step_size, torch.get_num_threads(), C_MIN_PARAMS_PER_THREAD)
-    if rc != 0:
-        raise RuntimeError(f"offload_cpu_adamw returned {rc}")
+def _step_c(fn: _Kernel, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            grad: torch.Tensor, out16: torch.Tensor | None, c: AdamWCoefficients,
+            exact: bool = True) -> None:
+    coeffs = (c.grad_scale, c.decay, int(c.apply_decay), c.lerp_weight, c.beta2,
+              c.one_minus_beta2, c.bc2_sqrt, c.eps, c.neg_step_size, torch.get_num_threads(),
+              C_MIN_PARAMS_PER_THREAD)
+    gd, od = _DTYPE_CODE[grad.dtype], 0 if out16 is None else _DTYPE_CODE[out16.dtype]
+    if not exact:
+        rc = fn.full(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+                     gd, None if out16 is None else out16.data_ptr(), od, master.numel(), *coeffs)
+        if rc != 0:
+            raise RuntimeError(f"offload_cpu_adamw returned {rc}")
+        return
+    # Exact mode: torch's CPU sqrt (MKL VML, not correctly rounded) is the one op C cannot
+    # reproduce, so each cache-sized piece runs C phase 1, torch.sqrt, C phase 2 — the extra
+    # passes hit cache, not DRAM, and the result is bit-identical to torch.optim.AdamW.
+    n = master.numel()
+    scratch = _sqrt_scratch(min(n, EXACT_CHUNK_PARAMS))
+    gsize, osize = grad.element_size(), 0 if out16 is None else out16.element_size()
+    for begin in range(0, n, EXACT_CHUNK_PARAMS):
+        k = min(n, begin + EXACT_CHUNK_PARAMS) - begin
+        ptrs = (master.data_ptr() + 4 * begin, exp_avg.data_ptr() + 4 * begin,
+                exp_avg_sq.data_ptr() + 4 * begin)
+        g_ptr = grad.data_ptr() + gsize * begin
+        o_ptr = None if out16 is None else out16.data_ptr() + osize * begin
+        rc = fn.phase(1, *ptrs, None, g_ptr, gd, None, 0, k, *coeffs)
+        sq = scratch[:k]
+        torch.sqrt(exp_avg_sq[begin:begin + k], out=sq)
+        rc |= fn.phase(2, *ptrs, sq.data_ptr(), g_ptr, gd, o_ptr, od, k, *coeffs)
+        if rc != 0:
+            raise RuntimeError(f"offload_cpu_adamw_phase returned {rc}")
+
+
+# Params per exact-mode piece: 5 fp32 streams (master, 2 moments, sqrt scratch, grad) of 512 Ki
+# elements = 10 MiB stay in the shared L3 across the three calls.
+EXACT_CHUNK_PARAMS = 1 << 19
+
+
+def _sqrt_scratch(n: int) -> torch.Tensor:
+    buf = getattr(_scratch, "sqrt", None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=torch.float32)
+        _scratch.sqrt = buf
+    return buf[:n]
 
 
 _scratch = threading.local()   # per calling thread, so concurrent steps never share a scratch
@@ -390,7 +439,8 @@ def _check_buffers(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
 def cpu_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
                    eps: float, weight_decay: float, grad_scale: float = 1.0,
-                   out16: torch.Tensor | None = None, impl: Impl = "auto") -> None:
+                   out16: torch.Tensor | None = None, impl: Impl = "auto",
+                   exact: bool = True) -> None:
     """In place. g = grad.float() * grad_scale (grad_scale folds loss-scale unscaling and the clip
     coefficient); then exactly torch.optim.AdamW's math (default, non-fused, non-foreach
     single-tensor path, amsgrad=False, maximize=False) with `step` = the 1-based step count after
@@ -407,6 +457,6 @@ def cpu_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
     if master.numel() == 0:
         return
     if active_implementation(impl) == "c":
-        _step_c(_load_kernel(), master, exp_avg, exp_avg_sq, grad, out16, coeffs)
+        _step_c(_load_kernel(), master, exp_avg, exp_avg_sq, grad, out16, coeffs, exact)
     else:
         _step_torch(master, exp_avg, exp_avg_sq, grad, out16, coeffs)

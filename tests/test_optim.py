@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,32 @@ def test_threads_split_gives_identical_results(monkeypatch: pytest.MonkeyPatch) 
             assert torch.equal(results[0][3], results[0][0].to(torch.bfloat16).float())
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_concurrent_calls_from_threads_are_independent(impl: str) -> None:
+    """The engine may step several blocks from worker threads at once: no shared scratch/state."""
+    _need(impl)
+    n, blocks = 300_001, 4
+    gen = torch.Generator().manual_seed(5)
+    inputs = [(torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(torch.bfloat16))
+              for _ in range(blocks)]
+    hp = HYPERS[1]
+
+    def run(i: int) -> list[torch.Tensor]:
+        p0, g = inputs[i]
+        bufs = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+        out = torch.empty(n, dtype=torch.bfloat16)
+        for step in (1, 2, 3):
+            cpu_adamw_step(*bufs, g, step=step, out16=out, impl=impl, **hp)
+        return bufs + [out.float()]
+
+    sequential = [run(i) for i in range(blocks)]
+    with ThreadPoolExecutor(max_workers=blocks) as pool:
+        concurrent = list(pool.map(run, range(blocks)))
+    for seq, conc in zip(sequential, concurrent):
+        for a, b in zip(seq, conc):
+            assert torch.equal(a, b)
 
 
 def test_portable_build_without_arch_flags(tmp_path: Path) -> None:
