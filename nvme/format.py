@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -67,40 +68,67 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+def _object_without_duplicates(path: str):
+    def hook(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for key, value in pairs:
+            if key in out:  # json.loads would keep the last one silently; other readers the first
+                raise FormatError(f"{path}: header has the key {key[:200]!r} twice")
+            out[key] = value
+        return out
+    return hook
+
+
+# The product of a shape's dimensions must fit torch's int64 sizes and strides even when one of
+# them is 0 (a zero-byte tensor with dimensions [0, 2**62, 4] has no bytes to check against).
+_MAX_NUMEL = 2**62
+
+
 def _parse_header(path: str, raw: bytes, file_bytes: int, data_start: int
                   ) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: header is not valid JSON ({e})") from None
+        header = json.loads(raw, object_pairs_hook=_object_without_duplicates(path))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, FormatError):
+            raise
+        # ValueError also covers integers too long to convert, RecursionError deep nesting
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise FormatError(f"{path}: header is not valid JSON ({what})") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header must be a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise FormatError(f"{path}: __metadata__ must map strings to strings")
     data_bytes = file_bytes - data_start
     infos: dict[str, TensorInfo] = {}
     for name, entry in header.items():
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"}:
+        where = f"{path}: tensor {name[:200]!r}"
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise FormatError(f"{where}: entry must have exactly dtype, shape, data_offsets")
-        dtype = DTYPE_FROM_NAME.get(entry.get("dtype"))  # type: ignore[arg-type]
+        dtype_name = entry["dtype"]
+        dtype = DTYPE_FROM_NAME.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise FormatError(f"{where}: unknown dtype {entry.get('dtype')!r} "
+            raise FormatError(f"{where}: unknown dtype {str(dtype_name)[:40]!r} "
                               f"(known: {', '.join(DTYPE_FROM_NAME)})")
-        shape, offs = entry.get("shape"), entry.get("data_offsets")
+        shape, offs = entry["shape"], entry["data_offsets"]
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise FormatError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+            raise FormatError(f"{where}: shape must be a list of non-negative integers, "
+                              f"got {str(shape)[:80]}")
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]):
-            raise FormatError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end")
+            raise FormatError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                              f"got {str(offs)[:80]}")
         if offs[1] > data_bytes:
             raise FormatError(f"{where}: data_offsets {offs} run past the end of the file "
                               f"(data section is {data_bytes} bytes; truncated download?)")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(max(d, 1) for d in shape) > _MAX_NUMEL // itemsize:
+            raise FormatError(f"{where}: shape {str(shape)[:80]} is absurdly large")
+        nbytes = math.prod(shape) * itemsize
         if nbytes != offs[1] - offs[0]:
-            raise FormatError(f"{where}: shape {shape} of {entry['dtype']} needs {nbytes} bytes "
+            raise FormatError(f"{where}: shape {shape} of {dtype_name} needs {nbytes} bytes "
                               f"but data_offsets span {offs[1] - offs[0]}")
         infos[name] = TensorInfo(name, dtype, tuple(shape), data_start + offs[0], nbytes)
     spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values() if i.nbytes)
@@ -110,31 +138,56 @@ def _parse_header(path: str, raw: bytes, file_bytes: int, data_start: int
     return infos, metadata
 
 
-def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse a .safetensors header: ({name: TensorInfo}, metadata). Reads only the header bytes."""
-    path = os.fspath(path)
+def open_regular(path: str) -> int:
+    """Open `path` read-only, refusing anything but a regular file (a FIFO would block the open
+    or the reads, a device or /proc file has no meaningful size). Symlinks are followed; callers
+    that must stay inside a directory check the resolved path themselves."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; no effect on regular files
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise FormatError(f"{path}: cannot open ({e.strerror})") from None
     try:
-        file_bytes = os.fstat(fd).st_size
-        if file_bytes < 8:
-            raise FormatError(f"{path}: file is {file_bytes} bytes, too short for a safetensors header")
-        (header_bytes,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > file_bytes:
-            raise FormatError(f"{path}: header length {header_bytes} is impossible for a "
-                              f"{file_bytes}-byte file (not a safetensors file, or truncated)")
-        raw = _pread_exact(fd, header_bytes, 8, path)
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise FormatError(f"{path}: cannot stat ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise FormatError(f"{path}: not a regular file")
+    return fd
+
+
+def _read_header_fd(fd: int, path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    file_bytes = os.fstat(fd).st_size
+    if file_bytes < 8:
+        raise FormatError(f"{path}: file is {file_bytes} bytes, too short for a safetensors header")
+    (header_bytes,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path))
+    if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > file_bytes:
+        raise FormatError(f"{path}: header length {header_bytes} is impossible for a "
+                          f"{file_bytes}-byte file (not a safetensors file, or truncated)")
+    raw = _pread_exact(fd, header_bytes, 8, path)
+    return _parse_header(path, raw, file_bytes, 8 + header_bytes)
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse a .safetensors header: ({name: TensorInfo}, metadata). Reads only the header bytes."""
+    path = os.fspath(path)
+    fd = open_regular(path)
+    try:
+        return _read_header_fd(fd, path)
     finally:
         os.close(fd)
-    return _parse_header(path, raw, file_bytes, 8 + header_bytes)
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
     chunks, got = [], 0
     while got < nbytes:
-        chunk = os.pread(fd, nbytes - got, offset + got)
+        try:
+            chunk = os.pread(fd, nbytes - got, offset + got)
+        except OSError as e:
+            raise FormatError(f"{path}: read of {nbytes - got} bytes at offset {offset + got} "
+                              f"failed ({e.strerror})") from None
         if not chunk:
             raise FormatError(f"{path}: unexpected end of file at offset {offset + got} "
                               f"(wanted {nbytes} bytes from {offset})")
@@ -172,9 +225,15 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self.tensors, self.metadata = read_header(self.path)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd = -1
         self.bytes_read = 0
+        fd = open_regular(self.path)
+        try:  # the header and the reads come from the same open file, whatever the path becomes
+            self.tensors, self.metadata = _read_header_fd(fd, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
 
     def close(self) -> None:
         if getattr(self, "_fd", -1) >= 0:  # __init__ may have failed before opening
