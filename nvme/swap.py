@@ -70,6 +70,11 @@ class SwapEntry:
 
     @classmethod
     def from_json(cls, name: str, d: dict) -> "SwapEntry":
+        # The file is always file_name(name): a manifest naming any other path (`../x`, `/etc/x`)
+        # is not ours, and must never make remove() or a read touch a file outside the store.
+        if d["file"] != file_name(name):
+            raise ValueError(f"tensor {name[:200]!r} is listed in file {str(d['file'])[:200]!r}, "
+                             f"expected {file_name(name)!r}")
         return cls(name, DTYPE_FROM_NAME[d["dtype"]], tuple(d["shape"]), int(d["nbytes"]),
                    int(d["crc32"], 16), str(d["file"]), int(d["offset"]))
 
@@ -181,7 +186,7 @@ class SwapStore:
                     raise ValueError(f"format is {m.get('format')!r}, expected {FORMAT!r}")
                 self._step = int(m["step"])
                 listed = {n: SwapEntry.from_json(n, d) for n, d in m["tensors"].items()}
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
                 raise SwapError(errno_mod.EINVAL, f"swap manifest {mpath} is unreadable: "
                                                   f"{e!r}") from None
         files = set()
