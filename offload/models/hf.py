@@ -24,7 +24,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from nvme.format import FormatError, SafetensorsFile, fsync_dir, write_file
+from nvme.format import FormatError, SafetensorsFile, fsync_dir, open_regular, write_file
 from offload.models.config import (ConfigError, ModelConfig, block_parameter_shapes, block_prefix,
                                    parameter_shapes)
 from offload.models.llama import LlamaForCausalLM, build_model
@@ -34,6 +34,12 @@ SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default shard size (5 GB)
+# config.json and the index are a few KB to a few MB; a bigger one is not a checkpoint's
+MAX_JSON_BYTES = 64 << 20
+# Files besides the weights that loaders read from a checkpoint directory: checked on open like
+# the shards (regular files, no links out of the directory).
+AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+             "generation_config.json", "special_tokens_map.json")
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                 torch.float64: "float64"}
 
@@ -62,16 +68,32 @@ def _canonical_name(stored: str) -> str | None:
     return stored
 
 
+def allowed_roots(path: str) -> list[str]:
+    """Directories whose files a checkpoint at `path` may be made of: the directory itself, and
+    for a Hugging Face hub cache snapshot (`<repo>/snapshots/<rev>/`, whose files are symlinks
+    to `<repo>/blobs/<hash>`) the repository's blob store. Anything a link leads to outside
+    these is refused."""
+    real = os.path.realpath(path)
+    roots = [real]
+    if os.path.basename(os.path.dirname(real)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
+    return roots
+
+
 class CheckpointReader:
     """An open checkpoint directory: its config, where every tensor lives, reads into buffers."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self.config = self._read_config()
         self.files: dict[str, SafetensorsFile] = {}
+        self._roots = allowed_roots(self.path)
+        self.config = self._read_config()
         self.locations: dict[str, TensorLocation] = {}
         self.unexpected: list[str] = []  # stored tensors that the model has no use for
         try:
+            for aux in AUX_FILES:
+                if os.path.lexists(os.path.join(self.path, aux)):
+                    self._confined(aux, os.path.join(self.path, aux))
             self._index()
             self._check_against_config()
         except BaseException:
@@ -79,29 +101,57 @@ class CheckpointReader:
             raise
 
     # ---- opening ----------------------------------------------------------------------------
+    def _confined(self, filename: str, referrer: str) -> str:
+        """The resolved path of `filename` in the checkpoint directory; refused when it is not a
+        plain name, or when a symlink leads out of the directory."""
+        if (not isinstance(filename, str) or os.path.basename(filename) != filename
+                or filename in ("", ".", "..") or "\0" in filename):
+            raise CheckpointError(f"{referrer}: file name {str(filename)[:200]!r} must be a plain "
+                                  f"file name inside the checkpoint directory")
+        full = os.path.join(self.path, filename)
+        real = os.path.realpath(full)
+        if not any(real != root and os.path.commonpath([real, root]) == root
+                   for root in self._roots):
+            raise CheckpointError(f"{referrer}: {full} is a link to {real}, outside the checkpoint "
+                                  f"directory; refusing to read it")
+        return full
+
+    def _load_json(self, filename: str, referrer: str):
+        full = self._confined(filename, referrer)
+        try:
+            fd = open_regular(full)
+        except FormatError as e:
+            raise CheckpointError(str(e)) from None
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size > MAX_JSON_BYTES:
+                raise CheckpointError(f"{full}: {size} bytes is far too large for a "
+                                      f"{filename} (limit {MAX_JSON_BYTES}); not a checkpoint file")
+            data = f.read(MAX_JSON_BYTES + 1)
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as e:  # also bad UTF-8, too-long integers
+            what = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+            raise CheckpointError(f"{full}: not valid JSON ({what})") from None
+
     def _read_config(self) -> ModelConfig:
         path = os.path.join(self.path, CONFIG_NAME)
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path}: not a directory (expected a Hugging Face checkpoint "
                                   f"directory with {CONFIG_NAME} and *.safetensors)")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: missing; a checkpoint directory needs its config.json") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        if not os.path.lexists(path):
+            raise CheckpointError(f"{path}: missing; a checkpoint directory needs its config.json")
+        raw = self._load_json(CONFIG_NAME, path)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: must be a JSON object, got {type(raw).__name__}")
         try:
             return ModelConfig.from_hf(raw, source=path)
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
 
     def _open(self, filename: str, referrer: str) -> SafetensorsFile:
-        if os.path.basename(filename) != filename or filename in ("", ".", ".."):
-            raise CheckpointError(f"{referrer}: shard name {filename!r} must be a plain file name "
-                                  f"inside the checkpoint directory")
         if filename not in self.files:
-            full = os.path.join(self.path, filename)
+            full = self._confined(filename, referrer)
             if not os.path.isfile(full):
                 raise CheckpointError(f"{referrer}: lists {filename!r}, which does not exist in "
                                       f"{self.path} (incomplete download?)")
@@ -115,21 +165,20 @@ class CheckpointReader:
         index_path = os.path.join(self.path, INDEX_NAME)
         single_path = os.path.join(self.path, SINGLE_NAME)
         stored_by_file: dict[str, list[str]] = {}
-        if os.path.isfile(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: not a valid index, needs a 'weight_map' "
-                                      f"object ({e!r})") from None
+        if os.path.lexists(index_path):
+            index = self._load_json(INDEX_NAME, index_path)
+            if not isinstance(index, dict) or "weight_map" not in index:
+                raise CheckpointError(f"{index_path}: not a valid index, needs a 'weight_map' object")
+            weight_map = index["weight_map"]
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to files")
             for stored, filename in weight_map.items():
                 if not isinstance(filename, str):
-                    raise CheckpointError(f"{index_path}: tensor {stored!r} maps to {filename!r}, not a file name")
+                    raise CheckpointError(f"{index_path}: tensor {stored[:200]!r} maps to "
+                                          f"{str(filename)[:200]!r}, not a file name")
                 stored_by_file.setdefault(filename, []).append(stored)
             referrer = index_path
-        elif os.path.isfile(single_path):
+        elif os.path.lexists(single_path):
             stored_by_file[SINGLE_NAME] = list(self._open(SINGLE_NAME, single_path).tensors)
             referrer = single_path
         else:
@@ -391,7 +440,10 @@ def _indexed_files(index_path: str) -> set[str]:
     try:
         with open(index_path) as f:
             files = json.load(f)["weight_map"].values()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return set()
-    return {f for f in files if isinstance(f, str) and os.path.basename(f) == f}
+    # only our kind of file: an index planted in the output directory must not make a save
+    # delete anything else there
+    return {f for f in files if isinstance(f, str) and os.path.basename(f) == f
+            and f.endswith(".safetensors")}
 
