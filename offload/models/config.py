@@ -70,7 +70,8 @@ class ModelConfig:
     dtype: str | None = None  # the checkpoint's dtype name ("bfloat16"), informational
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0 and self.num_attention_heads > 0:
+        if (self.head_dim == 0 and type(self.num_attention_heads) is int
+                and self.num_attention_heads > 0 and type(self.hidden_size) is int):
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
@@ -89,16 +90,28 @@ class ModelConfig:
                               f"of num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1):
+        if not (_is_number(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1):
             raise ConfigError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1):
-            raise ConfigError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
+        if not (_is_number(self.rope_theta) and self.rope_theta > 1):
+            raise ConfigError(f"rope_theta must be a finite number > 1, got {self.rope_theta!r}")
+        if not (_is_number(self.initializer_range) and self.initializer_range >= 0):
+            raise ConfigError(f"initializer_range must be a finite number >= 0, got "
+                              f"{self.initializer_range!r}")
+        # token ids: any integer (a few released configs say pad_token_id -1 for "none")
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                raise ConfigError(f"{name} must be a token id (an integer) or null, got {value!r}")
+        eos = self.eos_token_id
+        if eos is not None and type(eos) is not int and not (
+                isinstance(eos, tuple) and all(type(e) is int for e in eos)):
+            raise ConfigError(f"eos_token_id must be a token id, a list of them or null, got {eos!r}")
+        if not isinstance(self.architecture, str) or self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"architecture {self.architecture!r} is not supported "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
         if self.sliding_window is not None and (type(self.sliding_window) is not int
                                                 or self.sliding_window <= 0):
             raise ConfigError(f"sliding_window must be None or a positive integer, got {self.sliding_window!r}")
-        if self.architecture not in ARCHITECTURES:
-            raise ConfigError(f"architecture {self.architecture!r} is not supported "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
         # Each architecture hard-wires its biases; a combination transformers cannot express
         # would save a checkpoint that loads with silently different weights.
         biases = (self.attention_bias, self.o_proj_bias, self.mlp_bias)
@@ -136,10 +149,14 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
         """Parse a Hugging Face config.json dict. Errors name `source` and the offending key."""
+        if not isinstance(hf, Mapping):
+            raise ConfigError(f"{source}: must be a JSON object, got {type(hf).__name__}")
         try:
             return cls._from_hf(hf)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
+        except (TypeError, ValueError, ArithmeticError) as e:  # a value of a type no check expected
+            raise ConfigError(f"{source}: malformed value ({str(e)[:200]})") from None
 
     @classmethod
     def _from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
@@ -147,7 +164,10 @@ class ModelConfig:
         if not isinstance(archs, list):
             raise ConfigError(f"'architectures' must be a list, got {archs!r}")
         by_type = {t: a for a, t in ARCHITECTURES.items()}
-        arch = archs[0] if archs else by_type.get(hf.get("model_type", ""), "")
+        model_type = hf.get("model_type", "")
+        arch = archs[0] if archs else by_type.get(model_type, "") if isinstance(model_type, str) else ""
+        if not isinstance(arch, str):
+            raise ConfigError(f"'architectures' must list names, got {archs!r}")
         if arch not in ARCHITECTURES:
             shown = arch or f"model_type {hf.get('model_type')!r}"
             raise ConfigError(f"architecture {shown} is not supported "
@@ -257,7 +277,7 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
     if scaling is None:
         return
     rope_type = scaling.get("rope_type")
-    if rope_type not in ROPE_TYPES:
+    if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
         raise ConfigError(f"rope_type {rope_type!r} is not supported (supported: default, "
                           f"{', '.join(ROPE_TYPES)}; 'dynamic' and 'longrope' change with sequence length)")
     missing = [k for k in ROPE_TYPES[rope_type] if scaling.get(k) is None]
@@ -267,10 +287,21 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
     if unknown:
         raise ConfigError(f"rope_scaling of type {rope_type!r} has unsupported keys {sorted(unknown)}")
     factor = scaling["factor"]
-    if not isinstance(factor, (int, float)) or factor < 1:
-        raise ConfigError(f"rope_scaling factor must be a number >= 1, got {factor!r}")
+    if not _is_number(factor) or factor < 1:
+        raise ConfigError(f"rope_scaling factor must be a finite number >= 1, got {factor!r}")
+    for key in sorted(set(scaling) - {"rope_type", "factor", "truncate"}):
+        value, positive = scaling[key], key in ROPE_TYPES[rope_type]  # required ones divide
+        if value is not None and not (_is_number(value) and (value > 0 if positive else value >= 0)):
+            raise ConfigError(f"rope_scaling {key} must be a finite number "
+                              f"{'> 0' if positive else '>= 0'}, got {value!r}")
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ConfigError("rope_scaling llama3 needs high_freq_factor > low_freq_factor")
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 # ---- parameter shapes and counts ------------------------------------------------------------
