@@ -86,6 +86,9 @@ class OffloadConfig:
     io_threads: int | None = None  # None = the IO engine's measured default
     io_block_bytes: int | None = None
     io_queue_depth: int | None = None
+    # the CPU AdamW kernel: one pass with a correctly rounded sqrt (default), or bit-identical
+    # to torch.optim.AdamW on this machine (torch's own sqrt between two passes; ~4x slower)
+    exact_optimizer: bool = False
     verify_checksums: bool = True  # verify swap reads against the manifest's checksums
     # fsync each swap file around its rename. Off by default: temp-name + rename already keeps
     # the swap directory consistent when the process is killed; against power loss the durable

@@ -17,6 +17,7 @@ One update, in order:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -392,7 +393,8 @@ class Engine:
         """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier."""
         cfg = self.cfg
         beta1, beta2 = cfg.betas
-        kernel = _torch_adamw_step if (cfg.offload == "none" and self.cuda) else cpu_adamw_step
+        kernel = (_torch_adamw_step if (cfg.offload == "none" and self.cuda) else
+                  functools.partial(cpu_adamw_step, exact=cfg.exact_optimizer))
         master, exp_avg, exp_avg_sq = self.state.acquire(bi)
         out16, slot = self._upload_target(bi, self._k)
         self._k += 1

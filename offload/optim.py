@@ -327,7 +327,7 @@ def active_implementation(impl: Impl = "auto") -> str:
 
 def _step_c(fn: _Kernel, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
             grad: torch.Tensor, out16: torch.Tensor | None, c: AdamWCoefficients,
-            exact: bool = True) -> None:
+            exact: bool = False) -> None:
     coeffs = (c.grad_scale, c.decay, int(c.apply_decay), c.lerp_weight, c.beta2,
               c.one_minus_beta2, c.bc2_sqrt, c.eps, c.neg_step_size, torch.get_num_threads(),
               C_MIN_PARAMS_PER_THREAD)
@@ -440,13 +440,16 @@ def cpu_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
                    grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
                    eps: float, weight_decay: float, grad_scale: float = 1.0,
                    out16: torch.Tensor | None = None, impl: Impl = "auto",
-                   exact: bool = True) -> None:
+                   exact: bool = False) -> None:
     """In place. g = grad.float() * grad_scale (grad_scale folds loss-scale unscaling and the clip
     coefficient); then exactly torch.optim.AdamW's math (default, non-fused, non-foreach
     single-tensor path, amsgrad=False, maximize=False) with `step` = the 1-based step count after
     increment; if out16 is given, out16 = master cast to out16.dtype (round-to-nearest-even, as
     Tensor.to does). All tensors 1-D contiguous CPU, same numel.
 
+    exact (C kernel): False — one pass, C's correctly rounded sqrtf; True — bit-identical to
+    torch.optim.AdamW on this machine: torch's CPU sqrt (MKL VML, not correctly rounded) is
+    applied between two C passes per cache-sized piece (~4x slower; for reproducibility checks).
     impl: "auto" (C kernel if it builds, else torch; $OFFLOAD_ADAM_IMPL=c|torch overrides),
     "c" (raise if the kernel is unavailable) or "torch" (chunked torch._fused_adamw_ path).
     Releases the GIL for the bulk of the work on either path, so the engine may run it on a

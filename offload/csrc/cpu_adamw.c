@@ -52,6 +52,8 @@ typedef struct {
     float *master, *exp_avg, *exp_avg_sq;
     const void *grad;
     void *out16;
+    const float *sqrt_v;   /* phase 2: torch's sqrt(exp_avg_sq), see offload_cpu_adamw_phase */
+    int phase;             /* 0: the whole update; 1: up to exp_avg_sq; 2: from sqrt on */
     int64_t n, chunk;
     _Atomic int64_t next_chunk;   /* the next unclaimed chunk index */
     int grad_dtype, out_dtype;
@@ -141,11 +143,64 @@ static inline __attribute__((always_inline)) void adamw_range(
     }
 }
 
+/* Phase 1 of the exact mode: everything before the square root (decay, both moments). */
+static inline __attribute__((always_inline)) void adamw_pre_range(
+    float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq,
+    const void *restrict grad, int64_t begin, int64_t end, const coeffs_t *cp, const int GD) {
+    const coeffs_t c = *cp;
+    const int small_w = fabsf(c.lerp_weight) < 0.5f;
+    const float lerp_coeff = small_w ? c.lerp_weight : c.lerp_weight - 1.0f;
+    const float *g32 = (const float *)grad;
+    const uint16_t *g16 = (const uint16_t *)grad;
+    for (int64_t i = begin; i < end; ++i) {
+        float g = GD == DT_F32 ? g32[i] : (GD == DT_BF16 ? bf16_to_f32(g16[i]) : f16_to_f32(g16[i]));
+        g = g * c.grad_scale;
+        if (c.apply_decay) master[i] = master[i] * c.decay;
+        float m = exp_avg[i];
+        float diff = g - m;
+        exp_avg[i] = fmaf(lerp_coeff, diff, small_w ? m : g);
+        exp_avg_sq[i] = fmaf(c.one_minus_beta2 * g, g, exp_avg_sq[i] * c.beta2);
+    }
+}
+
+/* Phase 2: from sqrt(exp_avg_sq) — computed between the phases by torch itself — on. */
+static inline __attribute__((always_inline)) void adamw_post_range(
+    float *restrict master, const float *restrict exp_avg, const float *restrict sqrt_v,
+    void *restrict out16, int64_t begin, int64_t end, const coeffs_t *cp, const int OD) {
+    const coeffs_t c = *cp;
+    uint16_t *o16 = (uint16_t *)out16;
+    for (int64_t i = begin; i < end; ++i) {
+        float denom = sqrt_v[i] / c.bc2_sqrt + c.eps;
+        float p = master[i] + (c.neg_step_size * exp_avg[i]) / denom;
+        master[i] = p;
+        if (OD == DT_BF16) o16[i] = f32_to_bf16(p);
+        else if (OD == DT_F16) o16[i] = f32_to_f16(p);
+    }
+}
+
 #define ADAMW_CASE(GD, OD)                                                              \
     adamw_range(j->master, j->exp_avg, j->exp_avg_sq, j->grad, j->out16, begin, end, j->c, \
                 GD, OD)
 
 static void run_chunk(const job_t *j, int64_t begin, int64_t end) {
+    if (j->phase == 1) {
+        switch (j->grad_dtype) {
+            case DT_F32: adamw_pre_range(j->master, j->exp_avg, j->exp_avg_sq, j->grad, begin, end, j->c, DT_F32); break;
+            case DT_BF16: adamw_pre_range(j->master, j->exp_avg, j->exp_avg_sq, j->grad, begin, end, j->c, DT_BF16); break;
+            case DT_F16: adamw_pre_range(j->master, j->exp_avg, j->exp_avg_sq, j->grad, begin, end, j->c, DT_F16); break;
+            default: break;
+        }
+        return;
+    }
+    if (j->phase == 2) {
+        switch (j->out_dtype) {
+            case DT_NONE: adamw_post_range(j->master, j->exp_avg, j->sqrt_v, j->out16, begin, end, j->c, DT_NONE); break;
+            case DT_BF16: adamw_post_range(j->master, j->exp_avg, j->sqrt_v, j->out16, begin, end, j->c, DT_BF16); break;
+            case DT_F16: adamw_post_range(j->master, j->exp_avg, j->sqrt_v, j->out16, begin, end, j->c, DT_F16); break;
+            default: break;
+        }
+        return;
+    }
     switch (j->grad_dtype * 4 + j->out_dtype) {
         case DT_F32 * 4 + DT_NONE: ADAMW_CASE(DT_F32, DT_NONE); break;
         case DT_F32 * 4 + DT_BF16: ADAMW_CASE(DT_F32, DT_BF16); break;
@@ -179,11 +234,46 @@ static void *adamw_worker(void *arg) {
 
 /* Returns 0 on success, -1 on bad dtype codes. Thread-creation failures only mean fewer
  * helpers: the calling thread keeps claiming chunks until none are left. */
+static int run_job(int phase, float *master, float *exp_avg, float *exp_avg_sq,
+                   const float *sqrt_v, const void *grad, int grad_dtype, void *out16,
+                   int out_dtype, int64_t n, float grad_scale, float decay, int apply_decay,
+                   float lerp_weight, float beta2, float one_minus_beta2, float bc2_sqrt,
+                   float eps, float neg_step_size, int num_threads,
+                   int64_t min_elems_per_thread);
+
 int offload_cpu_adamw(float *master, float *exp_avg, float *exp_avg_sq, const void *grad,
                       int grad_dtype, void *out16, int out_dtype, int64_t n,
                       float grad_scale, float decay, int apply_decay, float lerp_weight,
                       float beta2, float one_minus_beta2, float bc2_sqrt, float eps,
                       float neg_step_size, int num_threads, int64_t min_elems_per_thread) {
+    return run_job(0, master, exp_avg, exp_avg_sq, 0, grad, grad_dtype, out16, out_dtype, n,
+                   grad_scale, decay, apply_decay, lerp_weight, beta2, one_minus_beta2,
+                   bc2_sqrt, eps, neg_step_size, num_threads, min_elems_per_thread);
+}
+
+/* The exact mode in two calls around torch's own sqrt (see offload/optim.py): phase 1
+ * updates master (decay), exp_avg and exp_avg_sq; phase 2 reads sqrt_v = sqrt(exp_avg_sq)
+ * and finishes master and out16. Called on cache-sized pieces, so the extra passes stay in
+ * cache and DRAM traffic is still ~28 B/param. */
+int offload_cpu_adamw_phase(int phase, float *master, float *exp_avg, float *exp_avg_sq,
+                            const float *sqrt_v, const void *grad, int grad_dtype, void *out16,
+                            int out_dtype, int64_t n, float grad_scale, float decay,
+                            int apply_decay, float lerp_weight, float beta2,
+                            float one_minus_beta2, float bc2_sqrt, float eps,
+                            float neg_step_size, int num_threads, int64_t min_elems_per_thread) {
+    if (phase != 1 && phase != 2) return -2;
+    return run_job(phase, master, exp_avg, exp_avg_sq, sqrt_v, grad, grad_dtype, out16,
+                   out_dtype, n, grad_scale, decay, apply_decay, lerp_weight, beta2,
+                   one_minus_beta2, bc2_sqrt, eps, neg_step_size, num_threads,
+                   min_elems_per_thread);
+}
+
+static int run_job(int phase, float *master, float *exp_avg, float *exp_avg_sq,
+                   const float *sqrt_v, const void *grad, int grad_dtype, void *out16,
+                   int out_dtype, int64_t n, float grad_scale, float decay, int apply_decay,
+                   float lerp_weight, float beta2, float one_minus_beta2, float bc2_sqrt,
+                   float eps, float neg_step_size, int num_threads,
+                   int64_t min_elems_per_thread) {
     if (grad_dtype < DT_F32 || grad_dtype > DT_F16 || out_dtype < DT_NONE || out_dtype > DT_F16)
         return -1;
     if (n <= 0) return 0;
@@ -195,7 +285,7 @@ int offload_cpu_adamw(float *master, float *exp_avg, float *exp_avg_sq, const vo
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > useful) threads = useful < 1 ? 1 : (int)useful;
 
-    job_t job = {master, exp_avg, exp_avg_sq, grad, out16, n, CHUNK_ELEMS, 0,
+    job_t job = {master, exp_avg, exp_avg_sq, grad, out16, sqrt_v, phase, n, CHUNK_ELEMS, 0,
                  grad_dtype, out_dtype, &c};
     /* Aim for >= 4 chunks per thread so a late thread's share can be spread out, but
      * never below 4 Ki elements (the counter would then cost more than it saves). */
