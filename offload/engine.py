@@ -35,7 +35,8 @@ from offload.config import ConfigError, OffloadConfig, as_config
 from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
-from offload.tiers import BudgetError, LinkCounter, MemoryAccount, format_report, host_empty, peak_rss_bytes
+from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, host_empty,
+                           peak_rss_bytes, return_large_frees_to_os)
 from offload.train_plan import grad_pool_buffers, plan_training
 from offload.train_stream import TrainingStreamer
 
@@ -86,6 +87,7 @@ def _torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
 
 class Engine:
     def __init__(self, model: nn.Module, cfg: OffloadConfig, source: Any = None):
+        return_large_frees_to_os()  # RSS must not grow with the number of blocks (tiers.py)
         self.module = model
         self.cfg = cfg
         self.device = cfg.resolve_device()
@@ -132,8 +134,12 @@ class Engine:
             self.state.init_block(bi, master)
             trainable.update(id(s.param) for s in block.slots)
             if cfg.offload_params != "none" and block.module is not None:
-                self.layer_of[bi] = len(stream_flats)
-                stream_flats.append(master.to(self.dtype))  # the streamer adopts or writes it
+                self.layer_of[bi] = len(self.layer_of)
+                if cfg.offload_params == "cpu":  # the streamer adopts it as the block's home
+                    stream_flats.append(master.to(self.dtype))
+                else:  # straight to its swap file: the model never sits in RAM at once
+                    self.store.write(TrainingStreamer.name(block), master.to(self.dtype)).wait()
+                    stream_flats.append(None)
                 self.flat16.append(None)
                 continue
             flat = torch.empty(block.numel, dtype=self.dtype, device=self.device)

@@ -53,6 +53,7 @@ from torch import nn
 
 from nvme.io import ALIGN, IOEngine, aligned_empty
 from offload.blocks import Block, ParamSlot, bind_views
+from offload.tiers import return_large_frees_to_os
 
 RESIDENCIES = ("device", "cpu", "nvme")
 
@@ -136,6 +137,7 @@ class BlockStreamer:
                  pin: bool = True, zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
                  progress: Callable[[int], None] | None = None,
                  host_flats: Sequence[torch.Tensor | None] | None = None):
+        return_large_frees_to_os()  # block-sized temporaries must not pile up in malloc arenas
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         if len(residency) != len(layers):

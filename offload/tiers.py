@@ -14,6 +14,7 @@ import resource
 import shutil
 import threading
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -61,39 +62,97 @@ def locked_memory_limit_bytes() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+# Measured free memory is never planned to the last byte: the process also needs room outside
+# the plan (the allocator's slack, temporaries while a block is materialised, Python objects,
+# the page cache other programs lean on). A plan that only fits by eating into this reserve
+# is refused up front rather than ending in the kernel's OOM killer.
+RESERVE_FRACTION = 0.05
+RESERVE_MIN_BYTES = 256 << 20
+
+
+def memory_reserve_bytes(free_bytes: int) -> int:
+    """What is kept back from `free_bytes` of RAM (or device memory) measured free."""
+    return min(free_bytes, max(RESERVE_MIN_BYTES, int(free_bytes * RESERVE_FRACTION)))
+
+
 def check_fits(tier: str, need_bytes: int, budget_bytes: int | None, free_bytes: int,
                what: str, hint: str) -> None:
-    """Refuse `need_bytes` on `tier` if it exceeds the explicit budget or what is free."""
-    limit = free_bytes if budget_bytes is None else min(budget_bytes, free_bytes)
+    """Refuse `need_bytes` on `tier` if it exceeds the explicit budget or what is free (RAM and
+    device memory keep `memory_reserve_bytes` of what is free in reserve; disks do not)."""
+    reserve = memory_reserve_bytes(free_bytes) if tier in ("device", "host") else 0
+    usable = free_bytes - reserve
+    limit = usable if budget_bytes is None else min(budget_bytes, usable)
     if need_bytes > limit:
+        kept = f", keeping {format_bytes(reserve)} in reserve" if reserve else ""
         source = (f"the {tier} budget of {format_bytes(budget_bytes)}"
-                  if budget_bytes is not None and budget_bytes <= free_bytes
-                  else f"the {format_bytes(free_bytes)} free on the {tier} tier")
+                  if budget_bytes is not None and budget_bytes <= usable
+                  else f"the {format_bytes(free_bytes)} free on the {tier} tier{kept}")
         raise BudgetError(f"{what} needs {format_bytes(need_bytes)} on the {tier} tier, more than "
                           f"{source}; {hint}")
 
 
 _PIN_WARNED = False
+# Page-locked memory cannot be swapped or reclaimed: pinning most of the RAM starves every
+# other program (and this one's pageable allocations). We pin at most this fraction of the
+# RAM available when a buffer is requested, summed over the live pinned buffers; the rest are
+# pageable (the documented fallback: slower host<->device copies, the same results).
+# RLIMIT_MEMLOCK (ulimit -l) is not used as the cap: CUDA's pinned allocator (cudaHostAlloc)
+# locks pages through the driver and is not bound by it; see docs/RELIABILITY.md.
+PIN_RAM_FRACTION = 0.5
+_pinned_bytes = 0
+_pinned_lock = threading.Lock()
 
 
 def pin_possible(pin: bool) -> bool:
     return pin and torch.cuda.is_available()
 
 
+def pin_limit_bytes() -> int:
+    """The most pinned host memory live at once (see PIN_RAM_FRACTION)."""
+    return int(host_free_bytes() * PIN_RAM_FRACTION)
+
+
+def pin_allowed(nbytes: int) -> bool:
+    """Whether `nbytes` more may be pinned on top of the live pinned buffers."""
+    with _pinned_lock:
+        return _pinned_bytes + nbytes <= pin_limit_bytes()
+
+
+def _unpinned(nbytes: int) -> None:
+    global _pinned_bytes
+    with _pinned_lock:
+        _pinned_bytes -= nbytes
+
+
+def _warn_pageable(nbytes: int, why: str) -> None:
+    global _PIN_WARNED
+    if not _PIN_WARNED:
+        warnings.warn(f"pinning {format_bytes(nbytes)} of host memory {why}; using pageable "
+                      f"memory (slower transfers, same results)")
+        _PIN_WARNED = True
+
+
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A flat host tensor, page-locked when asked and CUDA exists (pinned memory is what lets
-    device<->host copies run asynchronously at full link speed). If pinning fails (locked-memory
-    limits, fragmentation) we fall back to pageable memory once, with a warning: slower copies,
-    same results."""
-    global _PIN_WARNED
+    device<->host copies run asynchronously at full link speed). Beyond the pinned-memory cap,
+    or if pinning fails (fragmentation, driver limits), the buffer is pageable, with one
+    warning: slower copies, same results."""
+    global _pinned_bytes
+    nbytes = numel * dtype.itemsize
     if pin_possible(pin):
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
-        except RuntimeError as e:
-            if not _PIN_WARNED:
-                warnings.warn(f"pinning {format_bytes(numel * dtype.itemsize)} of host memory failed "
-                              f"({e}); using pageable memory (slower transfers)")
-                _PIN_WARNED = True
+        if not pin_allowed(nbytes):
+            _warn_pageable(nbytes, f"would exceed the pinned-memory cap of "
+                                   f"{format_bytes(pin_limit_bytes())} (half the available RAM)")
+        else:
+            try:
+                t = torch.empty(numel, dtype=dtype, pin_memory=True)
+            except RuntimeError as e:
+                _warn_pageable(nbytes, f"failed ({e})")
+            else:
+                with _pinned_lock:
+                    _pinned_bytes += nbytes
+                weakref.finalize(t, _unpinned, nbytes)
+                return t
     return torch.empty(numel, dtype=dtype)
 
 
@@ -144,6 +203,31 @@ class MemoryAccount:
                 kinds["peak"] = self._peak[tier]
                 out[tier] = kinds
             return out
+
+
+_MALLOC_FIXED = False
+
+
+def return_large_frees_to_os(threshold_bytes: int = 1 << 20) -> bool:
+    """Make glibc serve every allocation >= threshold with its own mmap, released on free.
+
+    glibc raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB),
+    after which block-sized temporaries (a layer's fp32 master while it is initialised, a
+    staging copy) come from malloc arenas that are not returned to the OS: RSS then grows with
+    the number of blocks although nothing is held. Setting the threshold explicitly turns that
+    adaptation off (measured: 8 -> 32 streamed blocks went from 1.54x to 1.12x peak RSS).
+    Process-wide and idempotent; a no-op where the C library is not glibc."""
+    global _MALLOC_FIXED
+    if _MALLOC_FIXED:
+        return True
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        M_MMAP_THRESHOLD = -3
+        _MALLOC_FIXED = bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
+    except (OSError, AttributeError):
+        return False
+    return _MALLOC_FIXED
 
 
 def rss_bytes() -> int:

@@ -70,7 +70,7 @@ class TrainingStreamer:
 
     def __init__(self, layers: nn.ModuleList, blocks: list[Block], layer_block: list[int],
                  tier: str, *, device: torch.device, dtype: torch.dtype, pin: bool,
-                 flats16: list[torch.Tensor], store=None, account: MemoryAccount,
+                 flats16: list[torch.Tensor | None], store=None, account: MemoryAccount,
                  host_ahead: int, nvme_ahead: int, fetch_delay_s: float = 0.0):
         self.layers, self.blocks, self.tier = layers, blocks, tier
         self.layer_block = layer_block  # layer index -> engine block index
@@ -88,12 +88,11 @@ class TrainingStreamer:
                 host_flats[li] = flat
                 account.add("host", "weights", flat.numel() * flat.element_size())
         else:
-            files = []
+            files = []  # the engine already wrote each block's weights to its swap file
             for li in range(n):
                 block = blocks[layer_block[li]]
-                self.store.write(self.name(block), flats16[li]).wait()
                 files.append(self._ranges(layers[li], block))
-                account.add("nvme", "weights", flats16[li].numel() * flats16[li].element_size())
+                account.add("nvme", "weights", block.numel * dtype.itemsize)
         self.streamer = BlockStreamer(layers, [tier] * n, device=device, dtype=dtype, files=files,
                                       host_ahead=host_ahead, nvme_ahead=nvme_ahead,
                                       io=store.engine if store is not None else None, pin=pin,
