@@ -82,7 +82,10 @@ class OffloadConfig:
     grad_accum_steps: int = 1
     # host and IO machinery
     pin_memory: bool = True  # page-locked host buffers (only meaningful with CUDA)
-    buffer_count: int = 4  # optimizer-state staging buffers (each holds one block's state)
+    buffer_count: int = 4  # optimizer-state staging buffers (each holds one sub-group's state)
+    # blocks larger than this many parameters are stepped and swapped in sub-groups (DeepSpeed's
+    # sub_group_size): NVMe staging memory is buffer_count x 12 B x this, not x the largest block
+    sub_group_size: int = 1 << 25
     io_threads: int | None = None  # None = the IO engine's measured default
     io_block_bytes: int | None = None
     io_queue_depth: int | None = None
@@ -155,6 +158,7 @@ class OffloadConfig:
             raise ConfigError(f"betas: must be two numbers in [0, 1), got {self.betas!r}")
         self.betas = (float(betas[0]), float(betas[1]))
         for name, lo in (("grad_accum_steps", 1), ("buffer_count", 2), ("initial_scale_power", 0),
+                         ("sub_group_size", 1 << 10),
                          ("loss_scale_window", 1), ("hysteresis", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -285,6 +289,8 @@ def from_deepspeed(ds: Mapping[str, Any], **overrides: Any) -> OffloadConfig:
             out["pin_memory"] = bool(opt_off["pin_memory"])
         if "buffer_count" in opt_off:
             out["buffer_count"] = opt_off["buffer_count"]
+    if "sub_group_size" in zero:
+        out["sub_group_size"] = int(zero["sub_group_size"])
     aio = _take(ds.get("aio", {}), {"block_size", "queue_depth", "thread_count",
                                     "single_submit", "overlap_events", "use_gds"}, "aio")
     for src, dst in (("block_size", "io_block_bytes"), ("queue_depth", "io_queue_depth"),

@@ -167,7 +167,7 @@ class Engine:
                               if cfg.offload_activations else None)
             enable_activation_checkpointing(self.layers, self.act_store, self.device)
         if isinstance(self.state, NvmeState):
-            self.state.end_step(self._step_order(), 0)  # init state durable + first prefetch
+            self.state.end_step(self._unit_order(), 0)  # init state durable + first prefetch
         self._overlap_jobs: list | None = None
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
         self._weight_writes: list = []  # nvme-tier weight writes of the current step
@@ -180,7 +180,8 @@ class Engine:
             self.blocks, self.dtype, cfg.grad_accum_steps, self.account, self.links["d2h"],
             source_device=self.device, pin=self.pin,
             landing_device=self.device if cfg.offload == "none" else torch.device("cpu"),
-            pool_buffers=grad_pool_buffers(cfg, len(self.blocks)))
+            pool_buffers=grad_pool_buffers(cfg, len(self.blocks)),
+            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
         self.grads.attach()
 
         if self.cuda:
@@ -196,6 +197,10 @@ class Engine:
                        model.register_forward_hook(self._on_forward_end)]
 
     # -- set-up -----------------------------------------------------------------------------
+    def _unit_order(self) -> list[int]:
+        """Optimizer-state units (sub-groups of blocks) in the order the step consumes them."""
+        return [u for bi in self._step_order() for u, _, _ in self.state.units_of(bi)]
+
     def _step_order(self) -> list[int]:
         """Blocks in the order their gradients complete: layers last-to-first, then the rest
         block (its embedding gradient is the last one backward produces)."""
@@ -240,7 +245,8 @@ class Engine:
         if cfg.offload == "nvme":
             return NvmeState(self.blocks, self.store, cfg.buffer_count, self.account,
                              self.links["nvme_read"], self.links["nvme_write"],
-                             prefetch=cfg.prefetch_optimizer_state)
+                             prefetch=cfg.prefetch_optimizer_state,
+                             sub_group_params=cfg.sub_group_size)
         tier = "device" if cfg.offload == "none" else "host"
         return ResidentState(self.blocks, tier, self.device, self.pin, self.account)
 
@@ -393,7 +399,7 @@ class Engine:
             # the H2D stream overwrites device weights that backward's kernels may still be
             # reading: order it after everything issued so far on the compute stream
             self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.state.begin_step(self._step_order())
+        self.state.begin_step(self._unit_order())
 
     def _step_block(self, bi: int, rep: StepReport) -> None:
         """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier."""
@@ -401,19 +407,21 @@ class Engine:
         beta1, beta2 = cfg.betas
         kernel = (_torch_adamw_step if (cfg.offload == "none" and self.cuda) else
                   functools.partial(cpu_adamw_step, exact=cfg.exact_optimizer))
-        master, exp_avg, exp_avg_sq = self.state.acquire(bi)
         out16, slot = self._upload_target(bi, self._k)
         self._k += 1
-        t0 = time.perf_counter()
-        kernel(master, exp_avg, exp_avg_sq, self.grads.buffer(bi), step=self.global_step,
-               lr=self.lr, beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-               grad_scale=self._grad_scale_now,
-               out16=out16 if self.dtype != torch.float32 else None)
-        if self.dtype == torch.float32:
-            out16.copy_(master)
-        rep.cpu_step_s += time.perf_counter() - t0
+        grad = self.grads.buffer(bi)
+        for u, lo, hi in self.state.units_of(bi):  # sub-groups of a large block, in order
+            master, exp_avg, exp_avg_sq = self.state.acquire(u)
+            t0 = time.perf_counter()
+            kernel(master, exp_avg, exp_avg_sq, grad[lo:hi], step=self.global_step,
+                   lr=self.lr, beta1=beta1, beta2=beta2, eps=cfg.eps,
+                   weight_decay=cfg.weight_decay, grad_scale=self._grad_scale_now,
+                   out16=out16[lo:hi] if self.dtype != torch.float32 else None)
+            if self.dtype == torch.float32:
+                out16[lo:hi].copy_(master)
+            rep.cpu_step_s += time.perf_counter() - t0
+            self.state.release(u, modified=True)
         self.grads.release_buffer(bi)
-        self.state.release(bi, modified=True)
         t0 = time.perf_counter()
         self._upload(bi, out16, slot)
         rep.upload_s += time.perf_counter() - t0
@@ -431,7 +439,7 @@ class Engine:
         self._ring_writes = {}
         rep.io_wait_s += time.perf_counter() - t0 + self._pending_io_s
         self._pending_io_s = 0.0
-        self.state.end_step(self._step_order(), self.global_step)
+        self.state.end_step(self._unit_order(), self.global_step)
         if self.cuda:
             t0 = time.perf_counter()
             # the next forward runs on the compute stream; it must see the new weights
@@ -603,7 +611,7 @@ class Engine:
         self._hysteresis_left, self.skipped_steps = meta["hysteresis_left"], meta["skipped_steps"]
         self.lr = meta["lr"]
         if isinstance(self.state, NvmeState):
-            self.state.end_step(self._step_order(), self.global_step)
+            self.state.end_step(self._unit_order(), self.global_step)
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes per tier by kind (weights, masters, moments, grads, buffers), with peaks, plus

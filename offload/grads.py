@@ -37,7 +37,7 @@ class GradLanding:
                  account: MemoryAccount, d2h: LinkCounter, *,
                  source_device: torch.device = torch.device("cpu"),
                  landing_device: torch.device = torch.device("cpu"), pin: bool = False,
-                 pool_buffers: int = 0):
+                 pool_buffers: int = 0, pooled_blocks: set[int] | None = None):
         self.blocks = blocks
         self.grad_dtype = grad_dtype
         self.accum_steps = accum_steps
@@ -57,12 +57,20 @@ class GradLanding:
         self.landing: list[torch.Tensor | None]
         if self.pooled:
             assert accum_steps == 1 and tier == "host", "pooled landing needs accum 1 on the host"
-            largest = max(b.numel for b in blocks)
+            # the layers share the pool; other blocks (embeddings, head: their gradients are
+            # complete only at the very end of backward) keep a buffer of their own
+            self._pooled = set(range(len(blocks))) if pooled_blocks is None else set(pooled_blocks)
+            largest = max(blocks[i].numel for i in self._pooled)
             self._pool: queue.Queue = queue.Queue()
             for _ in range(pool_buffers):
                 self._pool.put(host_zeros(largest, self.landing_dtype, pin))
             account.add(tier, "grads", pool_buffers * largest * self.landing_dtype.itemsize)
-            self.landing = [None] * len(blocks)
+            self.landing = [None if i in self._pooled else
+                            host_zeros(b.numel, self.landing_dtype, pin)
+                            for i, b in enumerate(blocks)]
+            for i, b in enumerate(blocks):
+                if i not in self._pooled:
+                    account.add(tier, "grads", b.numel * self.landing_dtype.itemsize)
             self._base: list[torch.Tensor | None] = [None] * len(blocks)
             self.pool_wait_s = 0.0
         else:
@@ -153,7 +161,7 @@ class GradLanding:
 
     def release_buffer(self, bi: int) -> None:
         """Pooled: block bi has been stepped; its buffer goes back to the pool."""
-        if self.pooled and self._base[bi] is not None:
+        if self.pooled and bi in self._pooled and self._base[bi] is not None:
             base, self._base[bi], self.landing[bi] = self._base[bi], None, None
             self._pool.put(base)
 

@@ -54,6 +54,10 @@ class ResidentState:
         self._account.add(self.tier, "masters", numel * 4)
         self._account.add(self.tier, "moments", numel * 8)
 
+    def units_of(self, bi: int) -> list[tuple[int, int, int]]:
+        """(unit, first element, end element) of block bi: resident state is one unit a block."""
+        return [(bi, 0, self.blocks[bi].numel)]
+
     def begin_step(self, order: list[int]) -> None:
         pass
 
@@ -79,17 +83,43 @@ class ResidentState:
         pass
 
 
+def split_units(numel: int, max_params: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of at most max_params elements, as equal as possible (one when it fits)."""
+    parts = max(1, -(-numel // max_params))
+    bounds = [numel * k // parts for k in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class NvmeState:
+    """Optimizer state in swap files, moved through `buffer_count` staging sets.
+
+    A block larger than `sub_group_params` is split into sub-groups (DeepSpeed's
+    sub_group_size), each its own swap files and its own pass through a staging set: staging
+    memory is bounded by the sub-group size, not by the largest block (a 70B model's
+    embedding is 0.5B parameters). The pipeline below works on these units."""
+
     def __init__(self, blocks: list[Block], store, buffer_count: int, account: MemoryAccount,
-                 read_link: LinkCounter, write_link: LinkCounter, prefetch: bool = True):
+                 read_link: LinkCounter, write_link: LinkCounter, prefetch: bool = True,
+                 sub_group_params: int = 1 << 25):
         from nvme import aligned_empty  # page-aligned: O_DIRECT reads/writes go straight in
 
         self.blocks = blocks
         self.store = store
         self.prefetch = prefetch
         self.read_link, self.write_link = read_link, write_link
-        max_numel = max(b.numel for b in blocks)
-        # buffer_count sets of (master, exp_avg, exp_avg_sq), each sized for the largest block
+        self.unit_names: list[str] = []  # swap-name prefix of each unit
+        self.unit_numel: list[int] = []
+        self.block_units: list[list[tuple[int, int, int]]] = []
+        for b in blocks:
+            ranges = split_units(b.numel, sub_group_params)
+            units = []
+            for k, (lo, hi) in enumerate(ranges):
+                units.append((len(self.unit_names), lo, hi))
+                self.unit_names.append(b.name if len(ranges) == 1 else f"{b.name}.part{k}")
+                self.unit_numel.append(hi - lo)
+            self.block_units.append(units)
+        max_numel = max(self.unit_numel)
+        # buffer_count sets of (master, exp_avg, exp_avg_sq), each sized for the largest unit
         self.sets = [tuple(aligned_empty(max_numel, torch.float32) for _ in STATE_KINDS)
                      for _ in range(buffer_count)]
         account.add("host", "buffers", buffer_count * 3 * max_numel * 4)
@@ -98,26 +128,29 @@ class NvmeState:
             account.add("nvme", "moments", b.numel * 8)
         self.free: deque[int] = deque(range(buffer_count))
         self.writing: dict[int, list] = {}  # set -> pending write handles
-        self.reading: dict[int, tuple[int, list]] = {}  # block -> (set, pending read handles)
-        self.queue: deque[int] = deque()  # blocks still to be read, in consumption order
+        self.reading: dict[int, tuple[int, list]] = {}  # unit -> (set, pending read handles)
+        self.queue: deque[int] = deque()  # units still to be read, in consumption order
         self.io_wait_s = 0.0
 
-    @staticmethod
-    def name(block: Block, kind: str) -> str:
-        return f"{block.name}.{kind}"
+    def units_of(self, bi: int) -> list[tuple[int, int, int]]:
+        return self.block_units[bi]
 
-    def _views(self, si: int, bi: int) -> tuple[torch.Tensor, ...]:
-        n = self.blocks[bi].numel
+    def name(self, u: int, kind: str) -> str:
+        return f"{self.unit_names[u]}.{kind}"
+
+    def _views(self, si: int, u: int) -> tuple[torch.Tensor, ...]:
+        n = self.unit_numel[u]
         return tuple(t[:n] for t in self.sets[si])
 
     # -- initialisation ---------------------------------------------------------------------
     def init_block(self, bi: int, master_fp32: torch.Tensor) -> None:
-        si = self._take_set(block=True)
-        master, m, v = self._views(si, bi)
-        master.copy_(master_fp32)
-        m.zero_()
-        v.zero_()
-        self._write(si, bi)
+        for u, lo, hi in self.block_units[bi]:
+            si = self._take_set(block=True)
+            master, m, v = self._views(si, u)
+            master.copy_(master_fp32[lo:hi])
+            m.zero_()
+            v.zero_()
+            self._write(si, u)
 
     # -- pipeline ---------------------------------------------------------------------------
     def _take_set(self, block: bool) -> int | None:
@@ -147,42 +180,41 @@ class NvmeState:
             si = self._take_set(block=block)
             if si is None:
                 return
-            bi = self.queue.popleft()
-            handles = [self.store.read_into(self.name(self.blocks[bi], kind), view)
-                       for kind, view in zip(STATE_KINDS, self._views(si, bi))]
-            self.read_link.add(self.blocks[bi].numel * 12)
-            self.reading[bi] = (si, handles)
+            u = self.queue.popleft()
+            handles = [self.store.read_into(self.name(u, kind), view)
+                       for kind, view in zip(STATE_KINDS, self._views(si, u))]
+            self.read_link.add(self.unit_numel[u] * 12)
+            self.reading[u] = (si, handles)
             block = False  # only the read the caller is waiting for may block
 
     def begin_step(self, order: list[int]) -> None:
         pending = set(self.reading)
-        self.queue = deque(bi for bi in order if bi not in pending)
+        self.queue = deque(u for u in order if u not in pending)
         self._pump()
 
-    def acquire(self, bi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if bi not in self.reading:
-            if bi in self.queue:  # it must be next: reads are issued in consumption order
-                self.queue.remove(bi)
-            self.queue.appendleft(bi)
+    def acquire(self, u: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if u not in self.reading:
+            if u in self.queue:  # it must be next: reads are issued in consumption order
+                self.queue.remove(u)
+            self.queue.appendleft(u)
             self._pump(block=True)
-        si, handles = self.reading[bi]
+        si, handles = self.reading[u]
         t0 = time.perf_counter()
         for h in handles:
             h.wait()
         self.io_wait_s += time.perf_counter() - t0
-        self._current = (bi, si)
-        return self._views(si, bi)  # type: ignore[return-value]
+        self._current = (u, si)
+        return self._views(si, u)  # type: ignore[return-value]
 
-    def _write(self, si: int, bi: int) -> None:
-        block = self.blocks[bi]
-        self.writing[si] = [self.store.write(self.name(block, kind), view)
-                            for kind, view in zip(STATE_KINDS, self._views(si, bi))]
-        self.write_link.add(block.numel * 12)
+    def _write(self, si: int, u: int) -> None:
+        self.writing[si] = [self.store.write(self.name(u, kind), view)
+                            for kind, view in zip(STATE_KINDS, self._views(si, u))]
+        self.write_link.add(self.unit_numel[u] * 12)
 
-    def release(self, bi: int, modified: bool) -> None:
-        si, _ = self.reading.pop(bi)
+    def release(self, u: int, modified: bool) -> None:
+        si, _ = self.reading.pop(u)
         if modified:
-            self._write(si, bi)  # write-behind: the set is reused once these complete
+            self._write(si, u)  # write-behind: the set is reused once these complete
         else:
             self.free.append(si)
         self._pump()
@@ -215,12 +247,14 @@ class NvmeState:
     def read(self, bi: int, kind: str) -> torch.Tensor:
         self.drain()
         out = torch.empty(self.blocks[bi].numel, dtype=torch.float32)
-        self.store.read_into(self.name(self.blocks[bi], kind), out).wait()
+        for u, lo, hi in self.block_units[bi]:
+            self.store.read_into(self.name(u, kind), out[lo:hi]).wait()
         return out
 
     def load(self, bi: int, kind: str, values: torch.Tensor) -> None:
         self.drain()
-        self.store.write(self.name(self.blocks[bi], kind), values.contiguous()).wait()
+        for u, lo, hi in self.block_units[bi]:
+            self.store.write(self.name(u, kind), values[lo:hi].contiguous()).wait()
 
     def close(self) -> None:
         self.drain()  # the store itself belongs to the engine

@@ -147,7 +147,11 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         dev.update(grads=grad_bytes, masters=n * 4, moments=n * 8)
         return plan
     pool = grad_pool_buffers(cfg, len(blocks))
-    host["grads"] = pool * largest * itemsize if pool else grad_bytes
+    if pool:  # layers share `pool` buffers; the other blocks keep their own
+        pooled = layers or sizes
+        host["grads"] = (pool * max(pooled) + n - sum(pooled)) * itemsize
+    else:
+        host["grads"] = grad_bytes
     if device.type == "cuda":
         # pinned staging the 16-bit weights are uploaded from (a ring of buffer_count blocks)
         ring = max(2, min(cfg.buffer_count, len(blocks)))
@@ -157,7 +161,8 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     if cfg.offload == "cpu":
         host.update(masters=n * 4, moments=n * 8)
     else:
-        host["buffers"] = host.get("buffers", 0) + cfg.buffer_count * largest * 12
+        staged = min(largest, cfg.sub_group_size)  # sub-groups bound the staging sets
+        host["buffers"] = host.get("buffers", 0) + cfg.buffer_count * staged * 12
         nvme.update(masters=n * 4, moments=n * 8)
     return plan
 
