@@ -1,6 +1,9 @@
-"""Training step time with offload none / cpu / nvme side by side, one process, same model and
-data, with each mode's time split (forward, backward, gradient offload wait, CPU step, IO wait,
-weight upload) and bytes per link. Medians over --steps timed updates after one warm-up.
+"""Training step time side by side, one process, same model and data, with each mode's time
+split (forward, backward, gradient offload wait, CPU step, IO wait, weight upload), the blocks
+stepped during backward (overlap) and bytes per link. Medians over --steps timed updates after
+one warm-up. Modes: offload none / cpu / nvme (clipping on: the step waits for every gradient),
+the same without clipping (the CPU step overlapped with backward), and weights streamed from
+host RAM / NVMe (ZeRO-Infinity) with and without the overlapped step.
 
     python scripts/bench_train.py                       # ~100M Llama ("small"), fp32, CPU
     python scripts/bench_train.py --model tiny --steps 3 --modes cpu nvme
@@ -32,16 +35,38 @@ from offload.models import build_model, num_params, preset  # noqa: E402
 SPLIT = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s")
 
 
+# name -> engine options. "clip" rows clip gradients (the step must wait for every gradient);
+# the others do not, so each block is stepped as soon as its gradients land (overlap).
+MODES = {
+    "none": dict(offload="none", grad_clip=1.0),
+    "cpu": dict(offload="cpu", grad_clip=1.0),
+    "nvme": dict(offload="nvme", grad_clip=1.0),
+    "cpu+overlap": dict(offload="cpu", grad_clip=0.0),
+    "nvme+overlap": dict(offload="nvme", grad_clip=0.0),
+    "stream-cpu": dict(offload="nvme", offload_params="cpu", grad_clip=0.0,
+                       activation_checkpointing=True),
+    "stream-nvme": dict(offload="nvme", offload_params="nvme", grad_clip=0.0,
+                        activation_checkpointing=True),
+    "stream-nvme-noov": dict(offload="nvme", offload_params="nvme", grad_clip=0.0,
+                             activation_checkpointing=True, overlap_step=False),
+}
+
+
 def run_mode(mode: str, args, swap_root: str) -> dict:
     cfg_model = preset(args.model)
-    model = build_model(cfg_model, device="cpu", source=args.seed)
-    cfg = OffloadConfig(offload=mode, nvme_dir=os.path.join(swap_root, mode) if mode == "nvme" else None,
-                        dtype=args.dtype, device="cpu", lr=1e-4, grad_clip=1.0,
-                        buffer_count=args.buffer_count, verify_checksums=not args.no_verify)
-    engine = offload.initialize(model, cfg)
+    model = build_model(cfg_model, device="meta")
+    opts = dict(MODES[mode])
     if args.activation_checkpointing:
-        from offload.activations import enable_activation_checkpointing
-        enable_activation_checkpointing(model.model.layers)
+        opts["activation_checkpointing"] = True
+    cfg = OffloadConfig(nvme_dir=os.path.join(swap_root, mode), dtype=args.dtype, device="cpu",
+                        lr=1e-4, buffer_count=args.buffer_count,
+                        verify_checksums=not args.no_verify, **opts)
+    from offload.models import init_parameter_
+
+    def source(tensors):  # seeded init straight into the engine, block by block
+        for name, t in tensors.items():
+            init_parameter_(name, t, args.seed, cfg_model.initializer_range)
+    engine = offload.initialize(model, cfg, source=source)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg_model.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
     step_s, reports = [], []
@@ -56,6 +81,7 @@ def run_mode(mode: str, args, swap_root: str) -> dict:
             step_s.append(time.perf_counter() - t0)
             reports.append(engine.last_report)
     out = {"mode": mode, "step_s": statistics.median(step_s),
+           "overlapped": reports[-1].overlapped_blocks,
            **{k: statistics.median(getattr(r, k) for r in reports) for k in SPLIT},
            "bytes": reports[-1].bytes, "params": sum(b.numel for b in engine.blocks)}
     engine.close()
@@ -71,7 +97,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5, help="timed updates per mode (median reported)")
-    ap.add_argument("--modes", nargs="+", default=["none", "cpu", "nvme"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--no-verify", action="store_true", help="skip swap checksum verification")
     ap.add_argument("--activation-checkpointing", action="store_true")
@@ -87,15 +113,17 @@ def main() -> None:
         rows = [run_mode(m, args, swap_root) for m in args.modes]
     finally:
         shutil.rmtree(swap_root, ignore_errors=True)
-    head = f"{'mode':<6} {'step s':>8} " + " ".join(f"{k[:-2]:>10}" for k in SPLIT) + f" {'vs cpu':>7}"
+    head = (f"{'mode':<17} {'step s':>8} " + " ".join(f"{k[:-2]:>10}" for k in SPLIT)
+            + f" {'overlap':>7} {'vs cpu':>7}")
     print(head)
     base = next((r["step_s"] for r in rows if r["mode"] == "cpu"), None)
     for r in rows:
         ratio = f"{r['step_s'] / base:7.3f}" if base else "      -"
-        print(f"{r['mode']:<6} {r['step_s']:8.3f} " + " ".join(f"{r[k]:10.3f}" for k in SPLIT) + f" {ratio}")
+        print(f"{r['mode']:<17} {r['step_s']:8.3f} " + " ".join(f"{r[k]:10.3f}" for k in SPLIT)
+              + f" {r['overlapped']:7d} {ratio}")
     for r in rows:
         moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in r["bytes"].items() if v)
-        print(f"  {r['mode']}: bytes per update: {moved}")
+        print(f"  {r['mode']:<17} bytes per update: {moved}")
     nv = next((r for r in rows if r["mode"] == "nvme"), None)
     if nv is not None and base:
         compute = nv["forward_s"] + nv["backward_s"]
