@@ -342,7 +342,7 @@ def _step_c(fn: _Kernel, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq
     # reproduce, so each cache-sized piece runs C phase 1, torch.sqrt, C phase 2 — the extra
     # passes hit cache, not DRAM, and the result is bit-identical to torch.optim.AdamW.
     n = master.numel()
-    scratch = _sqrt_scratch(min(n, EXACT_CHUNK_PARAMS))
+    scratch = _fp32_scratch(min(n, EXACT_CHUNK_PARAMS), "sqrt")
     gsize, osize = grad.element_size(), 0 if out16 is None else out16.element_size()
     for begin in range(0, n, EXACT_CHUNK_PARAMS):
         k = min(n, begin + EXACT_CHUNK_PARAMS) - begin
@@ -363,22 +363,15 @@ def _step_c(fn: _Kernel, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq
 EXACT_CHUNK_PARAMS = 1 << 19
 
 
-def _sqrt_scratch(n: int) -> torch.Tensor:
-    buf = getattr(_scratch, "sqrt", None)
-    if buf is None or buf.numel() < n:
-        buf = torch.empty(n, dtype=torch.float32)
-        _scratch.sqrt = buf
-    return buf[:n]
-
-
 _scratch = threading.local()   # per calling thread, so concurrent steps never share a scratch
 
 
-def _fp32_scratch(n: int) -> torch.Tensor:
-    buf = getattr(_scratch, "buf", None)
+def _fp32_scratch(n: int, purpose: str = "grad") -> torch.Tensor:
+    """A reused fp32 buffer of >= n elements, one per calling thread and purpose."""
+    buf = getattr(_scratch, purpose, None)
     if buf is None or buf.numel() < n:
         buf = torch.empty(n, dtype=torch.float32)
-        _scratch.buf = buf
+        setattr(_scratch, purpose, buf)
     return buf[:n]
 
 

@@ -23,8 +23,10 @@ def _tiny_llama():
     return build_model(preset("tiny"), device="cpu", source=0)
 
 
-def _train(model, batches, loss_fn, cfg):
+def _train(model, batches, loss_fn, cfg, setup=None):
     engine = offload.initialize(model, cfg)
+    if setup is not None:
+        setup(engine)
     losses = []
     for batch in batches:
         loss = loss_fn(model, batch)
@@ -81,17 +83,10 @@ def test_streamed_with_injected_fetch_delay_is_identical(tmp_path):
     ref_model = copy.deepcopy(model)
     batches = lm_batches(4, 1024)
     ref, ref_losses, _ = _train(ref_model, batches, hf_loss, _cfg(tmp_path, "ref"))
-    engine = offload.initialize(model, _cfg(tmp_path, "got", offload_params="nvme",
-                                            activation_checkpointing=True))
-    engine.streaming.streamer.fetch_delay_s = 0.02  # a late fetch must be waited for
-    losses = []
-    for batch in batches:
-        loss = hf_loss(model, batch)
-        engine.backward(loss)
-        losses.append(loss.item())
-        engine.step()
-    got = engine.master_params()
-    engine.close()
+    def late_fetches(engine):  # a fetch that is not waited for shows up as wrong numbers
+        engine.streaming.streamer.fetch_delay_s = 0.02
+    got, losses, _ = _train(model, batches, hf_loss, _cfg(
+        tmp_path, "got", offload_params="nvme", activation_checkpointing=True), late_fetches)
     assert losses == ref_losses and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
