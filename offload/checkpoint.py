@@ -32,6 +32,13 @@ class CheckpointNotFound(FileNotFoundError):
     """No complete checkpoint where one was asked for."""
 
 
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (disk full, IO error); the previous one is left as it was."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
 def _fsync_tree(path: str) -> None:
     for root, _dirs, files in os.walk(path):
         for name in files:
@@ -45,11 +52,16 @@ def _fsync_tree(path: str) -> None:
 
 def write_json_atomic(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def rng_state() -> dict[str, str]:
@@ -78,12 +90,22 @@ def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[st
     directory = os.path.abspath(directory)
     tmp, old = directory + ".tmp", directory + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    engine.save_state(os.path.join(tmp, "engine"))
-    save_pretrained(engine.iter_master_params(), os.path.join(tmp, "model"), config=model_config,
-                    dtype=export_dtype)
-    write_json_atomic(os.path.join(tmp, TRAINER_STATE), trainer_state)
-    _fsync_tree(tmp)
+    try:
+        os.makedirs(tmp)
+        engine.save_state(os.path.join(tmp, "engine"))
+        save_pretrained(engine.iter_master_params(), os.path.join(tmp, "model"),
+                        config=model_config, dtype=export_dtype)
+        write_json_atomic(os.path.join(tmp, TRAINER_STATE), trainer_state)
+        _fsync_tree(tmp)
+    except OSError as e:
+        # Nothing of the previous checkpoint was touched yet; free the space the partial copy
+        # took (a full disk is the usual cause) and say what is still there.
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = next((c for c in (directory, old) if is_complete(c)), None)
+        raise CheckpointSaveError(e.errno, f"saving the checkpoint to {directory} failed: "
+                                           f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+                                  + (f"; the previous checkpoint {kept} is intact (resume from it)"
+                                     if kept else "; no earlier checkpoint exists")) from e
     if os.path.exists(directory):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(directory, old)
