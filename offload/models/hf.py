@@ -335,12 +335,23 @@ def _named_tensors(source: StateSource, expected: Mapping[str, tuple[int, ...]])
 
 def _write_json(path: str, obj: object) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _is_leftover(name: str) -> bool:
+    """A temporary file of an earlier save_pretrained that was killed before cleaning up."""
+    return name.startswith(".partial-") or (
+        ".json.tmp." in name and name.rsplit(".", 1)[-1].isdigit())
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -364,6 +375,9 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"save_pretrained: dtype {dtype} is not a float dtype")
     os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if _is_leftover(name) and os.path.isfile(os.path.join(path, name)):
+            os.unlink(os.path.join(path, name))
     previous_shards = _indexed_files(os.path.join(path, INDEX_NAME))
     expected = parameter_shapes(config)
     metadata = {"format": "pt"}
