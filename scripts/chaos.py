@@ -1,0 +1,500 @@
+"""Crash campaign: SIGKILL a fine-tuning run at random moments, resume it each time, and check
+that the end result is bit-identical to an uninterrupted run of the same seed and flags.
+
+    python scripts/chaos.py                       # 24 kills over a 72-update NVMe run (~6 min)
+    python scripts/chaos.py --kills 40 --steps 120 --seed 3 --workdir /tmp/chaos --table out.md
+
+What it does:
+1. runs `python -m runners.finetune --offload nvme --save-every S ...` to the end: the reference;
+2. runs the same command again, and kills it with SIGKILL — either from outside after a random
+   delay, or from inside at the N-th call of one phase (a decoder layer's forward, the backward
+   through it, the CPU AdamW kernel, a swap-file write before/after its rename, a checkpoint file
+   write, between the two renames that swap checkpoint directories, the final model export).
+   After each kill it relaunches with `--resume OUTPUT` (from scratch while no checkpoint exists
+   yet), until `--kills` kills have happened; then lets the last launch finish;
+3. compares: every engine-state file (fp32 masters + Adam moments per block), every exported
+   safetensors shard and the trainer state (loss history, data position, RNG states) byte for
+   byte with the reference, and every metrics.jsonl row (a step logged by a launch that was
+   later killed and then redone must carry the same loss as its redo and as the reference).
+
+In-process kills are installed by this script's own child mode (`chaos.py child ARGS...`),
+which wraps a few library functions before calling `runners.finetune.main`; the library carries
+no test hooks. The child also records its current phase in a small memory-mapped file so an
+outside kill can be attributed to a phase. Each launch's output goes to WORKDIR/logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KILL_ENV = "OFFLOAD_CHAOS_KILL"    # "phase:n:when" — armed in the child
+PHASE_ENV = "OFFLOAD_CHAOS_PHASE"  # path of the phase file the child keeps current
+PHASE_BYTES = 64
+
+# In-process kill points and how many times each is reached per update (tiny model, one micro-
+# batch): 4 layers' forward/backward, 5 blocks stepped, 3 swap files per block.
+PHASES = ("forward", "backward", "cpu-step", "swap-write", "checkpoint", "checkpoint-rename",
+          "export", "time")
+
+
+# ---- the child: a finetune run with kill points --------------------------------------------------
+class _PhaseFile:
+    """The child's current phase, in a memory-mapped file (no syscall per update)."""
+
+    def __init__(self, path: str | None):
+        self.map = None
+        if path:
+            with open(path, "wb") as f:
+                f.write(b"\0" * PHASE_BYTES)
+            with open(path, "r+b") as f:
+                self.map = mmap.mmap(f.fileno(), PHASE_BYTES)
+        self.stack = ["startup"]
+        self.set("startup")
+
+    def set(self, name: str) -> None:
+        if self.map is not None:
+            self.map[:] = name.encode()[:PHASE_BYTES].ljust(PHASE_BYTES, b"\0")
+
+    def push(self, name: str) -> None:
+        self.stack.append(name)
+        self.set(name)
+
+    def pop(self) -> None:
+        self.stack.pop()
+        self.set(self.stack[-1] if self.stack else "")
+
+
+def _child(argv: list[str]) -> int:
+    import threading
+
+    import torch
+
+    import nvme.format
+    import nvme.swap
+    import offload.checkpoint
+    import offload.engine
+    import offload.models
+    import offload.models.hf
+    import offload.models.llama
+    import offload.optim
+    from runners.finetune import main
+
+    spec = os.environ.get(KILL_ENV, "")
+    phase, n, when = (spec.split(":") + ["", "", ""])[:3] if spec else ("", "0", "")
+    target = int(n or 0)
+    counter = [0]
+    lock = threading.Lock()
+    phases = _PhaseFile(os.environ.get(PHASE_ENV))
+
+    def die(where: str) -> None:
+        sys.stderr.write(f"\nchaos: SIGKILL in {where} (call {counter[0]} of {phase})\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def hit(name: str) -> bool:
+        """Count a call of kill point `name`; True when it is the armed one's n-th."""
+        if name != phase:
+            return False
+        with lock:
+            counter[0] += 1
+            return counter[0] == target
+
+    def tracked(fn, name):
+        def wrapper(*a, **k):
+            phases.push(name(a, k) if callable(name) else name)
+            try:
+                return fn(*a, **k)
+            finally:
+                phases.pop()
+        return wrapper
+
+    # phase tracking (main thread)
+    E = offload.engine.Engine
+    E.__init__ = tracked(E.__init__, "engine-init")
+    E.load_state = tracked(E.load_state, "resume-load")
+    E.backward = tracked(E.backward, "backward")
+    E.step = tracked(E.step, "optimizer-step")
+    M = offload.models.llama.LlamaForCausalLM
+    M.forward = tracked(M.forward, lambda a, k: "forward" if torch.is_grad_enabled() else "eval")
+    offload.checkpoint.save_checkpoint = tracked(offload.checkpoint.save_checkpoint, "checkpoint")
+    save_pretrained = offload.models.save_pretrained
+    offload.models.save_pretrained = tracked(
+        save_pretrained, lambda a, k: "checkpoint" if "checkpoint" in phases.stack else "export")
+
+    # kill points
+    layer_forward = offload.models.llama.DecoderLayer.forward
+
+    def decoder_forward(self, *a, **k):
+        grad = torch.is_grad_enabled()
+        if grad and hit("forward"):
+            die("a decoder layer's forward")
+        out = layer_forward(self, *a, **k)
+        if grad and out.requires_grad and hit("backward"):
+            out.register_hook(lambda g: die("backward through a decoder layer"))
+        return out
+    offload.models.llama.DecoderLayer.forward = decoder_forward
+
+    kernel = offload.engine.cpu_adamw_step
+
+    def adamw(*a, **k):
+        if when != "after" and hit("cpu-step"):
+            die("the CPU AdamW step (before a block's kernel)")
+        out = kernel(*a, **k)
+        if when == "after" and hit("cpu-step"):
+            die("the CPU AdamW step (after a block's kernel, before its write-behind)")
+        return out
+    offload.engine.cpu_adamw_step = adamw
+    offload.optim.cpu_adamw_step = adamw
+
+    finish_write = nvme.swap.SwapStore._finish_write
+
+    def swap_finish(self, *a, **k):
+        if when != "after" and hit("swap-write"):
+            die("a swap write (data in the .tmp file, before header and rename)")
+        out = finish_write(self, *a, **k)
+        if when == "after" and hit("swap-write"):
+            die("a swap write (just after its rename)")
+        return out
+    nvme.swap.SwapStore._finish_write = swap_finish
+
+    write_file = nvme.format.write_file
+
+    def chaos_write_file(path, *a, **k):
+        kind = "checkpoint" if "checkpoint" in phases.stack else "export"
+        if when != "after" and hit(kind):
+            die(f"a {kind} file write (before {os.path.basename(os.fspath(path))})")
+        out = write_file(path, *a, **k)
+        if when == "after" and hit(kind):
+            die(f"a {kind} file write (after {os.path.basename(os.fspath(path))})")
+        return out
+    nvme.format.write_file = chaos_write_file
+    offload.models.hf.write_file = chaos_write_file
+
+    replace = os.replace
+
+    def chaos_replace(src, dst, *a, **k):
+        out = replace(src, dst, *a, **k)
+        s = os.fspath(src)
+        if s.endswith(os.sep + "checkpoint") or s.endswith(os.sep + "checkpoint.tmp"):
+            if hit("checkpoint-rename"):
+                die(f"the checkpoint directory swap (after renaming {os.path.basename(s)})")
+        return out
+    os.replace = chaos_replace
+
+    phases.set("startup")
+    return main(argv)
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+@dataclass
+class Launch:
+    index: int
+    resumed: bool          # launched with --resume
+    from_step: int         # the checkpoint's update (0: fresh start)
+    plan: str              # the kill that was armed ("phase:n:when" or "time:SECONDS")
+    outcome: str = ""      # "killed", "completed", "failed (rc N)"
+    killed_in: str = ""    # where the kill landed (the child's message or its phase file)
+    resume_ok: bool | None = None  # a --resume launch got past loading the checkpoint
+    seconds: float = 0.0
+
+
+@dataclass
+class Campaign:
+    launches: list[Launch] = field(default_factory=list)
+    reference_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def kills(self) -> int:
+        return sum(1 for x in self.launches if x.outcome == "killed")
+
+    @property
+    def resumes(self) -> list[Launch]:
+        return [x for x in self.launches if x.resumed]
+
+
+def finetune_args(output: str, steps: int, save_every: int, seed: int, extra: list[str]) -> list[str]:
+    return ["--offload", "nvme", "--output", output, "--steps", str(steps), "--save-every",
+            str(save_every), "--seed", str(seed), "--no-progress"] + extra
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def checkpoint_step(output: str) -> int | None:
+    """The update of the complete checkpoint a resume would load, or None."""
+    sys.path.insert(0, REPO)
+    from offload.checkpoint import CheckpointNotFound, find_checkpoint, load_trainer_state
+
+    try:
+        return int(load_trainer_state(find_checkpoint(output))["step"])
+    except (CheckpointNotFound, KeyError, ValueError):
+        return None
+
+
+def _rates(save_every: int) -> dict[str, int]:
+    # calls per update of each kill point (tiny preset: 4 layers, 5 blocks, 3 swap files each)
+    return {"forward": 4, "backward": 4, "cpu-step": 5, "swap-write": 15,
+            "checkpoint": max(1, 6 // save_every), "checkpoint-rename": 1}
+
+
+def choose_kill(rng: random.Random, remaining: int, save_every: int, max_delay: float,
+                phases: list[str] | None = None) -> str:
+    """A kill plan that fires before the run ends (so every launch but the last is killed)."""
+    if phases:
+        phase = phases[0]
+    elif remaining <= 1:
+        phase = rng.choice(["checkpoint", "checkpoint-rename", "export"])
+    else:  # an outside kill needs enough run left that it surely lands before the end
+        phase = rng.choice([p for p in PHASES if p != "export" and (p != "time" or remaining >= 12)])
+    if phase == "time":
+        return f"time:{rng.uniform(0.5, max_delay):.2f}"
+    if phase == "export":
+        return f"export:1:{rng.choice(['before', 'after'])}"
+    horizon = max(1, min(remaining - 1, 2 * save_every)) if phase not in (
+        "checkpoint", "checkpoint-rename") else max(1, min(remaining, 2 * save_every))
+    if phase == "checkpoint":
+        # every save writes one file per block (5) and one model shard; the final save too
+        saves = max(1, horizon // save_every)
+        n = rng.randint(1, 6 * saves)
+    elif phase == "checkpoint-rename":
+        n = rng.randint(1, 2 * max(1, horizon // save_every))
+    elif phase == "swap-write":
+        n = rng.randint(1, 30 + 15 * horizon)  # init + resume rewrite every file, then 15/update
+    else:
+        n = rng.randint(1, _rates(save_every)[phase] * horizon)
+    return f"{phase}:{n}:{rng.choice(['before', 'after'])}"
+
+
+def run_launch(cmd: list[str], plan: str, log: str, phase_file: str, timeout: float) -> tuple[int, str]:
+    env = _env()
+    env[PHASE_ENV] = phase_file
+    if not plan.startswith("time:"):
+        env[KILL_ENV] = plan
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            if plan.startswith("time:"):
+                try:
+                    rc = p.wait(timeout=float(plan.split(":")[1]))
+                except subprocess.TimeoutExpired:
+                    where = _read_phase(phase_file)
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+                    return -signal.SIGKILL, f"{where} (SIGKILL from outside)"
+                return rc, ""
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            return 124, "timeout"
+    where = ""
+    if rc == -signal.SIGKILL:
+        with open(log) as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith("chaos: SIGKILL in ")]
+        where = lines[-1][len("chaos: SIGKILL in "):] if lines else _read_phase(phase_file)
+    return rc, where
+
+
+def _read_phase(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(PHASE_BYTES).rstrip(b"\0").decode() or "?"
+    except OSError:
+        return "?"
+
+
+def compare_runs(ref: str, got: str) -> list[str]:
+    """Differences between two finished runs' results (empty: bit-identical)."""
+    problems: list[str] = []
+
+    def files(d: str) -> list[str]:
+        return sorted(f for f in os.listdir(d) if f.endswith((".safetensors", ".json"))) \
+            if os.path.isdir(d) else []
+
+    for sub in ("checkpoint/engine", "checkpoint/model", "model"):
+        a, b = os.path.join(ref, sub), os.path.join(got, sub)
+        if files(a) != files(b) or not files(a):
+            problems.append(f"{sub}: files differ: {files(a)} vs {files(b)}")
+            continue
+        for name in files(a):
+            with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
+                if fa.read() != fb.read():
+                    problems.append(f"{sub}/{name}: bytes differ")
+    ta, tb = (json.load(open(os.path.join(d, "checkpoint", "trainer_state.json"))) for d in (ref, got))
+    for key in sorted(set(ta) | set(tb)):
+        if key != "args" and ta.get(key) != tb.get(key):
+            problems.append(f"trainer_state.json: {key!r} differs")
+    rows_ref = _metric_rows(ref)
+    rows_got = _metric_rows(got)
+    if sorted(rows_ref) != sorted(rows_got):
+        problems.append(f"metrics.jsonl: steps {sorted(rows_ref)} vs {sorted(rows_got)}")
+    for step, seen in rows_got.items():
+        want = rows_ref.get(step, [None])[0]
+        for row in seen:
+            if row != want:
+                problems.append(f"metrics.jsonl step {step}: {row} (logged {len(seen)}x) vs "
+                                f"reference {want}")
+                break
+    return problems
+
+
+def _metric_rows(out: str) -> dict[int, list[dict]]:
+    rows: dict[int, list[dict]] = {}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            # timing fields differ by nature; everything computed must not
+            key = {k: r.get(k) for k in ("loss", "lr", "grad_norm", "eval_loss", "applied",
+                                         "loss_scale")}
+            rows.setdefault(int(r["step"]), []).append(key)
+    return rows
+
+
+def run_campaign(workdir: str, kills: int, steps: int, save_every: int, seed: int,
+                 extra: list[str], rng_seed: int, max_delay: float = 8.0,
+                 phases: list[str] | None = None, launch_timeout: float = 600.0,
+                 echo=print) -> Campaign:
+    """Reference run, then the killed-and-resumed run; returns the record (problems empty on
+    success). `phases` forces the kill phases in order (tests); default: random."""
+    rng = random.Random(rng_seed)
+    os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+    ref, out = os.path.join(workdir, "reference"), os.path.join(workdir, "chaos")
+    for d in (ref, out):
+        shutil.rmtree(d, ignore_errors=True)
+    camp = Campaign()
+    base = [sys.executable, "-m", "runners.finetune"]
+    t0 = time.perf_counter()
+    r = subprocess.run(base + finetune_args(ref, steps, save_every, seed, extra), env=_env(),
+                       cwd=REPO, capture_output=True, text=True, timeout=launch_timeout)
+    camp.reference_s = time.perf_counter() - t0
+    if r.returncode != 0:
+        camp.problems.append(f"reference run failed (rc {r.returncode}): {r.stderr[-2000:]}")
+        return camp
+    echo(f"reference: {steps} updates in {camp.reference_s:.1f} s")
+    child = [sys.executable, os.path.abspath(__file__), "child"]
+    forced = list(phases or [])
+    while True:
+        step = checkpoint_step(out)
+        resumed = step is not None
+        args = finetune_args(out, steps, save_every, seed, extra) + (["--resume", out] if resumed else [])
+        i = len(camp.launches)
+        if camp.kills < kills:
+            plan = choose_kill(rng, steps - (step or 0), save_every, max_delay, forced[:1] or None)
+            forced = forced[1:]
+        else:
+            plan = "none"
+        launch = Launch(i, resumed, step or 0, plan)
+        log = os.path.join(workdir, "logs", f"launch-{i:03d}.log")
+        t = time.perf_counter()
+        env_plan = "" if plan == "none" else plan
+        rc, where = run_launch(child + args, env_plan, log, os.path.join(workdir, "phase"),
+                               launch_timeout)
+        launch.seconds = time.perf_counter() - t
+        with open(log) as f:
+            text = f.read()
+        if resumed:
+            launch.resume_ok = "resumed from " in text
+        if rc == -signal.SIGKILL:
+            launch.outcome, launch.killed_in = "killed", where
+        elif rc == 0:
+            launch.outcome = "completed"
+        else:
+            launch.outcome = f"failed (rc {rc})"
+            camp.problems.append(f"launch {i} ({plan}) failed with rc {rc}; log {log}:\n"
+                                 + "\n".join(text.splitlines()[-15:]))
+        camp.launches.append(launch)
+        echo(f"launch {i:3d}: {'resume from ' + str(step) if resumed else 'fresh start':>16}  "
+             f"plan {plan:<28} -> {launch.outcome}{': ' + where if where else ''} "
+             f"({launch.seconds:.1f} s)")
+        if rc != -signal.SIGKILL:
+            break
+        if len(camp.launches) > 4 * kills + 10:
+            camp.problems.append("the run did not finish within the launch limit")
+            return camp
+    if camp.launches[-1].outcome == "completed":
+        camp.problems += compare_runs(ref, out)
+    for x in camp.resumes:
+        if x.resume_ok is False and x.outcome != "killed":
+            camp.problems.append(f"launch {x.index}: --resume did not load the checkpoint")
+    if camp.kills < kills:
+        camp.problems.append(f"only {camp.kills} kills happened (wanted {kills}): the run ended first")
+    return camp
+
+
+def table(camp: Campaign) -> str:
+    lines = ["| # | start | kill plan | outcome | where the kill landed | s |",
+             "|---|---|---|---|---|---|"]
+    for x in camp.launches:
+        start = f"resume @ {x.from_step}" + ("" if x.resume_ok is not False else " (killed before load)") \
+            if x.resumed else "fresh"
+        lines.append(f"| {x.index} | {start} | `{x.plan}` | {x.outcome} | {x.killed_in} | "
+                     f"{x.seconds:.1f} |")
+    return "\n".join(lines)
+
+
+def summary(camp: Campaign) -> str:
+    resumes = camp.resumes
+    loaded = sum(1 for x in resumes if x.resume_ok)
+    landed: dict[str, int] = {}
+    for x in camp.launches:
+        if x.outcome == "killed":
+            key = x.killed_in.split(" (")[0]
+            landed[key] = landed.get(key, 0) + 1
+    return (f"{camp.kills} SIGKILLs, {len(resumes)} resumes ({loaded} loaded the checkpoint, "
+            f"{len(resumes) - loaded} were killed before loading finished and resumed again), "
+            f"{'no differences' if not camp.problems else f'{len(camp.problems)} problems'}; "
+            f"kills by phase: " + ", ".join(f"{k} {v}" for k, v in sorted(landed.items())))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["child"]:
+        return _child(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=72)
+    ap.add_argument("--save-every", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="training seed (both runs)")
+    ap.add_argument("--chaos-seed", type=int, default=0, help="seed of the kill schedule")
+    ap.add_argument("--max-delay", type=float, default=8.0, help="longest outside-kill delay (s)")
+    ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
+    ap.add_argument("--keep", action="store_true", help="keep the workdir")
+    ap.add_argument("--table", default=None, help="write the result table (markdown) here")
+    ap.add_argument("finetune_args", nargs="*", help="extra runners.finetune flags (after --)")
+    a = ap.parse_args(argv)
+    import tempfile
+    workdir = a.workdir or tempfile.mkdtemp(prefix="offload-chaos-")
+    extra = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "10", "--warmup-steps", "4"] \
+        + a.finetune_args
+    camp = run_campaign(workdir, a.kills, a.steps, a.save_every, a.seed, extra, a.chaos_seed,
+                        a.max_delay)
+    text = (f"command: python scripts/chaos.py {' '.join(argv)}\n\n" + table(camp) + "\n\n"
+            + summary(camp) + "\n")
+    print("\n" + text)
+    for p in camp.problems:
+        print("PROBLEM:", p)
+    if a.table:
+        with open(a.table, "w") as f:
+            f.write(text)
+    if not a.keep and not a.workdir and not camp.problems:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if camp.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
