@@ -19,7 +19,7 @@ Two implementations remove the extra 12 B; both use all torch.get_num_threads() 
   on the torch/Python ABI, so copying the project to another machine (Python 3.12, torch 2.11 + CUDA)
   only triggers a rebuild keyed on that machine's compiler and CPU. ctypes drops the GIL for the call.
 * "torch" (fallback when no compiler works): the block is cut into chunks small enough that a chunk
-  of all the buffers stays in L3 (256 Ki params: 5 MiB with the scratch); per chunk, grad is upcast
+  of all the buffers stays in L3 (512 Ki params: 10 MiB with the scratch); per chunk, grad is upcast
   into a reused fp32 scratch, torch._fused_adamw_ runs on the chunk views, and out16 is copied from
   the still-cache-hot master. DRAM traffic is again ~28 B/param; the upcast and copy-out only touch
   cache. Each torch op parallelises internally (OpenMP) over the chunk. The price is ~3 OpenMP
@@ -68,12 +68,12 @@ Impl = Literal["auto", "c", "torch"]
 # Minimum DRAM traffic of one step with 16-bit grad and 16-bit out: 2 + 3*(4+4) + 2.
 BYTES_PER_PARAM_16BIT = 28
 
-# Params per chunk of the torch fallback: 256 Ki * (3*4 B state + 4 B scratch + 2+2 B) = 5 MiB,
-# small enough to stay in a shared L3 while the three ops pass over it, large enough that the
-# ~30 us of Python + dispatch per chunk is <10% and each op still splits across cores
-# (ATen only parallelises ops above 32 Ki elements). Measured on the 2-core dev box: 64 Ki ->
-# 0.90 Gparam/s, 256 Ki -> 1.79, 1 Mi -> 1.62, 4 Mi -> 0.98 (chunk falls out of L3).
-TORCH_CHUNK_PARAMS = 1 << 18
+# Params per chunk of the torch fallback: 512 Ki * (3*4 B state + 4 B scratch + 2+2 B) = 10 MiB,
+# small enough to stay in a shared L3 (32 MiB here, more on servers) while the three ops pass over
+# it, large enough that the ~30 us of Python + dispatch per chunk is negligible and that the
+# OpenMP regions (3 per chunk) are few. Measured on the 2-core dev box, 100M params, idle machine:
+# 128 Ki -> 1.46 Gparam/s, 256 Ki -> 1.50, 512 Ki -> 1.75, 1 Mi -> 1.78, 2 Mi -> 1.57.
+TORCH_CHUNK_PARAMS = 1 << 19
 
 # The C kernel starts a pthread per extra core per call (~50 us each on the dev VM), so a thread
 # only pays off with enough work: single-threaded the kernel does ~3.7 Gparam/s on cache-resident
