@@ -3,6 +3,7 @@
 One run, one set of buffers, all threads (torch.get_num_threads()):
   (a)  offload.optim.cpu_adamw_step, C kernel: 16-bit grad in -> fp32 master/moments -> 16-bit out
   (a') the same call on its torch fallback path (chunked torch._fused_adamw_)
+  (ax) the same call with exact=True (C passes around torch's own sqrt: bit-identical to AdamW)
   (b)  the naive composition: grad.float() into an fp32 buffer, torch.optim.AdamW(fused=True),
        out16.copy_(master) -- three separate passes over memory
   (b0) torch.optim.AdamW(fused=True) alone, fp32 grad already there (not a full step; reference)
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -42,6 +44,20 @@ from offload.optim import BYTES_PER_PARAM_16BIT, active_implementation, cpu_adam
 
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 BANDWIDTH_ELEMS = 64 * 2**20   # 256 MiB per fp32 array: 8x a 32 MiB L3, so DRAM is what's timed
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU-seconds of the whole machine incl. steal, CPU-seconds of this process), or None
+    where /proc/stat does not exist. Their difference over the run is what others used."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait is busy.
+    busy_ticks = sum(fields[:8]) - fields[3] - fields[4]
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return busy_ticks / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
 
 
 def _torch_optimizer(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -83,11 +99,11 @@ def main() -> None:
 
     step_counter = [0]
 
-    def ours(which: str) -> Callable[[], None]:
+    def ours(which: str, exact: bool = False) -> Callable[[], None]:
         def run() -> None:
             step_counter[0] += 1
             cpu_adamw_step(master, exp_avg, exp_avg_sq, grad16, step=step_counter[0], out16=out16,
-                           impl=which, **HYPER)
+                           impl=which, exact=exact, **HYPER)
         return run
 
     fused_opt = _torch_optimizer(master, exp_avg, exp_avg_sq, grad32, fused=True)
@@ -108,15 +124,17 @@ def main() -> None:
         "rmw": (lambda: bw_a.add_(bw_b, alpha=0.5), 12.0),
         f"(a) cpu_adamw_step [{impl}]": (ours(impl), 0.0),
         "(a') cpu_adamw_step [torch fallback]": (ours("torch"), 0.0),
+        "(ax) cpu_adamw_step [c, exact=True]": (ours("c", exact=True), 0.0),
         "(b) upcast + AdamW(fused=True) + copy-out": (naive(fused_opt), 0.0),
         "(b0) AdamW(fused=True) alone, fp32 grad": (fused_opt.step, 0.0),
     }
-    if impl == "torch":
-        del methods["(a') cpu_adamw_step [torch fallback]"]
+    if impl == "torch":   # no C kernel here: (a) already is the torch path, and no exact mode
+        del methods["(a') cpu_adamw_step [torch fallback]"], methods["(ax) cpu_adamw_step [c, exact=True]"]
     if not args.skip_default:
         methods["(c) upcast + AdamW default + copy-out"] = (naive(default_opt), 0.0)
 
     load_before = os.getloadavg()
+    cpu_before, wall_before = _cpu_seconds(), time.perf_counter()
     for fn, _ in methods.values():   # warm-up: page faults, lazy init, kernel build
         fn()
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -126,6 +144,11 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     load_after = os.getloadavg()
+    cpu_after, wall_s = _cpu_seconds(), time.perf_counter() - wall_before
+    others_share = None
+    if cpu_before is not None and cpu_after is not None:
+        others_s = (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])
+        others_share = max(0.0, others_s) / (wall_s * (os.cpu_count() or 1))
 
     gbs = {name: methods[name][1] * BANDWIDTH_ELEMS / statistics.median(times[name]) / 1e9
            for name in ("copy", "triad", "rmw")}
@@ -138,7 +161,8 @@ def main() -> None:
           f"median of {args.repeats}")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
           f"{torch.__version__}, Python {platform.python_version()}; load average before/after "
-          f"{load_before[0]:.2f}/{load_after[0]:.2f}")
+          f"{load_before[0]:.2f}/{load_after[0]:.2f}; CPU used by other processes during the "
+          f"timed rounds: {'n/a' if others_share is None else f'{100 * others_share:.0f}%'}")
     print(f"# bandwidth (torch, {BANDWIDTH_ELEMS * 4 >> 20} MiB fp32 arrays, median): "
           f"copy {gbs['copy']:.1f} GB/s (8 B/elem), triad {gbs['triad']:.1f} GB/s (12 B/elem), "
           f"rmw {gbs['rmw']:.1f} GB/s (12 B/elem)")
@@ -161,10 +185,10 @@ def main() -> None:
     print(f"goals (medians): >= 1.30x (b): {speedup:.2f}x {'MET' if speedup >= 1.3 else 'NOT MET'}"
           f" (min/min {base_min_s / min(ours):.2f}x); >= 0.85 of triad floor: {fraction:.2f} "
           f"{'MET' if fraction >= 0.85 else 'NOT MET'}")
-    if load_before[0] > 0.5 * threads or load_after[0] > 0.5 * threads:
-        print("note: other processes were using the CPUs (load average above); the OpenMP-based "
-              "torch rows suffer more from that than the C kernel, so rerun on a quiet machine "
-              "before trusting the ratios")
+    if others_share is None or others_share > 0.05:
+        print("note: other processes used the CPUs during the run (or that could not be measured);"
+              " the OpenMP-based torch rows suffer more from that than the C kernel, so rerun on a"
+              " quiet machine before trusting the ratios")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@
  * by the compiler that builds torch) and where they do not (true division, not a
  * multiply by a reciprocal). This file must therefore be compiled with
  * -ffp-contract=off so that the compiler adds no FMAs of its own; the FMAs we want
- * are spelled out with fmaf(). The scalar coefficients (bias corrections, step
+ * are spelled out with fmaf(). (-fno-trapping-math is needed too, for speed only: it
+ * lets the compiler turn the selects in the 16-bit conversions into vector blends.)
+ * The scalar coefficients (bias corrections, step
  * size, ...) are computed in double precision by the Python caller exactly as torch
  * computes them and arrive here already rounded to float, as ATen rounds scalars.
  *
