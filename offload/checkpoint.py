@@ -132,8 +132,49 @@ def find_checkpoint(path: str) -> str:
 
 
 def load_trainer_state(path: str) -> dict[str, Any]:
+    """The trainer state of checkpoint `path`, its fields checked (it may come from anywhere:
+    a bad value is a CheckpointNotFound naming the field, not a traceback mid-resume)."""
+    where = os.path.join(path, TRAINER_STATE)
     try:
-        with open(os.path.join(path, TRAINER_STATE)) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointNotFound(f"{os.path.join(path, TRAINER_STATE)}: unreadable ({e})") from None
+        with open(where, "rb") as f:
+            state = json.loads(f.read(64 << 20))
+    except (OSError, ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, deep nesting
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise CheckpointNotFound(f"{where}: unreadable ({reason})") from None
+    problem = _trainer_state_problem(state)
+    if problem:
+        raise CheckpointNotFound(f"{where}: {problem}; not a checkpoint this program wrote (or "
+                                 f"it was damaged)")
+    return state
+
+
+def _is_count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _trainer_state_problem(state: Any) -> str | None:
+    if not isinstance(state, dict):
+        return f"not an object but {type(state).__name__}"
+    if not _is_count(state.get("step")):
+        return f"'step' must be an integer >= 0, got {str(state.get('step'))[:40]!r}"
+    if not _is_count(state.get("data_position", 0)):
+        return f"'data_position' must be an integer >= 0, got {str(state.get('data_position'))[:40]!r}"
+    rng = state.get("rng", {})
+    if not isinstance(rng, dict):
+        return "'rng' must be an object of base64 RNG states"
+    want = torch.get_rng_state().numel()
+    for key, value in rng.items():
+        for v in (value if key == "cuda" and isinstance(value, list) else [value]):
+            try:
+                n = len(base64.b64decode(v, validate=True)) if isinstance(v, str) else -1
+            except ValueError:
+                n = -1
+            if n < 0 or (key == "torch" and n != want):
+                return f"'rng' entry {key!r} is not a valid RNG state"
+    history = state.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        return "'history' must be a list of objects"
+    loss0 = state.get("eval_loss0")
+    if loss0 is not None and (isinstance(loss0, bool) or not isinstance(loss0, (int, float))):
+        return f"'eval_loss0' must be a number, got {str(loss0)[:40]!r}"
+    return None
