@@ -90,7 +90,7 @@ class OffloadConfig:
     io_block_bytes: int | None = None
     io_queue_depth: int | None = None
     # the CPU AdamW kernel: one pass with a correctly rounded sqrt (default), or bit-identical
-    # to torch.optim.AdamW on this machine (torch's own sqrt between two passes; ~4x slower)
+    # to torch.optim.AdamW on this machine (torch's own sqrt between two passes; 1.7-2.6x slower)
     exact_optimizer: bool = False
     verify_checksums: bool = True  # verify swap reads against the manifest's checksums
     # fsync each swap file around its rename. Off by default: temp-name + rename already keeps

@@ -446,7 +446,7 @@ def cpu_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
 
     exact (C kernel): False — one pass, C's correctly rounded sqrtf; True — bit-identical to
     torch.optim.AdamW on this machine: torch's CPU sqrt (MKL VML, not correctly rounded) is
-    applied between two C passes per cache-sized piece (~4x slower; for reproducibility checks).
+    applied between two C passes per cache-sized piece (1.7-2.6x slower; for reproducibility checks).
     impl: "auto" (C kernel if it builds, else torch; $OFFLOAD_ADAM_IMPL=c|torch overrides),
     "c" (raise if the kernel is unavailable) or "torch" (chunked torch._fused_adamw_ path).
     Releases the GIL for the bulk of the work on either path, so the engine may run it on a
