@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
 from typing import Sequence
 
@@ -24,7 +25,7 @@ from offload.config import format_bytes
 from offload.generate import SamplingParams, check_prompts, generate
 from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
                             num_block_params, num_params, parameter_shapes, preset, save_pretrained)
-from offload.planner import MODES, measure_links, plan_inference, workspace_bytes
+from offload.planner import MODES, Links, measure_links, plan_inference, workspace_bytes
 from offload.stream import load_streamed
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
@@ -32,6 +33,8 @@ from runners.common import (Parser, RunnerError, add_budget_args, add_device_arg
                             dtype_label, run_main, select_device, select_dtype, writable_dir)
 
 DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
+MAX_BATCH = 1 << 16  # one prompt is repeated this many times in memory before any plan
+MAX_PROMPT_FILE_BYTES = 64 << 20
 
 
 def build_parser() -> Parser:
@@ -113,10 +116,18 @@ def read_prompts(args, tokenizer, cfg: ModelConfig) -> list[list[int]]:
     texts = list(args.prompt)
     if args.prompt_file:
         try:
-            with open(args.prompt_file) as f:
-                texts += [line.rstrip("\n") for line in f if line.strip()]
+            with open(args.prompt_file, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PROMPT_FILE_BYTES:
+                    raise RunnerError(f"--prompt-file {args.prompt_file}: not a regular text file "
+                                      f"of at most {format_bytes(MAX_PROMPT_FILE_BYTES)}")
+                raw = f.read(MAX_PROMPT_FILE_BYTES + 1)
         except OSError as e:
             raise RunnerError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+        try:
+            texts += [line for line in raw.decode().splitlines() if line.strip()]
+        except UnicodeDecodeError as e:
+            raise RunnerError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e})") from None
     if texts and tokenizer is None:
         raise RunnerError("text prompts need a tokenizer.json in the model directory, which this "
                           "model lacks; give token ids with --prompt-ids 1,2,3")
@@ -139,8 +150,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise RunnerError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise RunnerError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.batch_size is not None and not 1 <= args.batch_size <= MAX_BATCH:
+        raise RunnerError(f"--batch-size must be in [1, {MAX_BATCH}], got {args.batch_size}")
+    for flag, seed in (("--seed", args.seed), ("--init-seed", args.init_seed)):
+        if not 0 <= seed < 2**63:
+            raise RunnerError(f"{flag} must be in [0, 2**63), got {seed}")
+    if not 0 <= args.probe_seconds <= 60:  # NaN fails this too (it would measure forever)
+        raise RunnerError(f"--probe-seconds must be in [0, 60], got {args.probe_seconds}")
+    if args.nvme_ahead < 1:
+        raise RunnerError(f"--nvme-ahead must be >= 1, got {args.nvme_ahead}")
+    if not math.isfinite(args.temperature):
+        raise RunnerError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     device = select_device(args.gpu)
     dtype = select_dtype(args.dtype, device)
     gpu_budget, cpu_budget = check_budget_flags(args, device)
@@ -182,6 +202,9 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
     dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
     shards = sorted({loc.path for loc in reader.locations.values()}) if reader else []
     links = measure_links(device, shards, seconds=args.probe_seconds)
+    measured = links.disk_gbps > 0
+    if not measured:  # nothing to probe yet (a dry run before a preset's weights exist)
+        links = Links(links.h2d_gbps, float("nan"), links.disk_direct)
     plan = plan_inference(
         block_bytes=[block] * L, stored_block_bytes=stored,
         non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item,
@@ -195,7 +218,10 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         staging_needed=device.type == "cuda" or stored_dtype != dtype)
     print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params, {L} blocks "
           f"of {format_bytes(block)} in {dtype_label(dtype)}) on {device}", file=sys.stderr)
-    print(plan.describe(links), file=sys.stderr)
+    print(plan.describe(links if measured else None), file=sys.stderr)
+    if not measured:
+        print("  floor:  unknown (disk bandwidth not measured: no checkpoint files to read yet)",
+              file=sys.stderr)
     if args.dry_run:
         if args.output_json:
             _write_json(args.output_json, {"plan": _plan_json(plan)})
