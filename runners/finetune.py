@@ -99,9 +99,15 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    mb = args.micro_batch_size or args.batch_size
+    mb = args.batch_size if args.micro_batch_size is None else args.micro_batch_size
     if mb < 1 or mb > args.batch_size or args.batch_size % mb:
         fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
+    if not 0 <= args.seed < 2**63:  # torch and the data order take 64-bit seeds
+        fail(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.metrics is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
+        fail(f"--metrics {args.metrics}: its directory does not exist")
+    if args.data is not None:
+        _check_data_files(args.data)
     if args.offload_dir is not None and args.offload not in (None, "nvme", "auto") \
             and args.offload_params != "nvme":
         fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme "
@@ -115,6 +121,27 @@ def check_args(args: argparse.Namespace) -> None:
         fail("--warmup-steps, --eval-every and --save-every must be >= 0")
     if not 0 <= args.min_lr_ratio <= 1:
         fail(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+
+
+def _check_data_files(path: str) -> None:
+    """--data must name regular files (a FIFO or a link to /dev/zero named *.txt would hang the
+    reader or fill the memory); what they contain is checked when they are read."""
+    import stat
+
+    if os.path.isdir(path):
+        paths = [os.path.join(path, f) for f in sorted(os.listdir(path))
+                 if f.endswith((".txt", ".jsonl"))]
+    elif os.path.lexists(path):
+        paths = [path]
+    else:
+        return  # the data loader says it does not exist
+    for p in paths:
+        try:
+            regular = stat.S_ISREG(os.stat(p).st_mode)
+        except OSError as e:
+            fail(f"--data {p}: cannot read ({e.strerror})")
+        if not regular:
+            fail(f"--data {p}: not a regular file")
 
 
 def engine_config(args: argparse.Namespace, device: torch.device):
