@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -131,6 +132,8 @@ class NvmeState:
         self.reading: dict[int, tuple[int, list]] = {}  # unit -> (set, pending read handles)
         self.queue: deque[int] = deque()  # units still to be read, in consumption order
         self.io_wait_s = 0.0
+        self._tail_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-swap-tail")
+        self._tail: Future | None = None  # the previous step's end (see end_step)
 
     def units_of(self, bi: int) -> list[tuple[int, int, int]]:
         return self.block_units[bi]
@@ -144,6 +147,7 @@ class NvmeState:
 
     # -- initialisation ---------------------------------------------------------------------
     def init_block(self, bi: int, master_fp32: torch.Tensor) -> None:
+        self._join()
         for u, lo, hi in self.block_units[bi]:
             si = self._take_set(block=True)
             master, m, v = self._views(si, u)
@@ -188,11 +192,13 @@ class NvmeState:
             block = False  # only the read the caller is waiting for may block
 
     def begin_step(self, order: list[int]) -> None:
+        self._join()
         pending = set(self.reading)
         self.queue = deque(u for u in order if u not in pending)
         self._pump()
 
     def acquire(self, u: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self._join()
         if u not in self.reading:
             if u in self.queue:  # it must be next: reads are issued in consumption order
                 self.queue.remove(u)
@@ -220,20 +226,37 @@ class NvmeState:
         self._pump()
 
     def end_step(self, next_order: list[int], step: int) -> None:
-        """Make this step's state durable (all writes done, manifest committed with the step
-        counter), then start reading the next step's first blocks."""
-        t0 = time.perf_counter()
+        """Hand the step's tail to a background thread and return: wait for this step's
+        writes, commit the manifest with the step counter (the swap files then describe one
+        complete step), and submit the reads of the next step's first units. The writes of
+        the last blocks and those reads then run during the next forward and backward instead
+        of in front of them. Every other entry point joins the tail first (`_join`), so only
+        one thread ever touches the pipeline's state at a time."""
+        self._join()
+        self._tail = self._tail_thread.submit(self._finish_step, next_order, step)
+
+    def _finish_step(self, next_order: list[int], step: int) -> None:
         for si in list(self.writing):
             self._finish_writes(si)
             self.free.append(si)
         self.store.set_step(step)
         self.store.commit()
-        self.io_wait_s += time.perf_counter() - t0
         if self.prefetch:
-            self.begin_step(next_order)
+            pending = set(self.reading)
+            self.queue = deque(u for u in next_order if u not in pending)
+            self._pump()
+
+    def _join(self) -> None:
+        """Wait for the previous step's tail (re-raising its error); counts as IO wait."""
+        if self._tail is not None:
+            t0 = time.perf_counter()
+            tail, self._tail = self._tail, None
+            tail.result()
+            self.io_wait_s += time.perf_counter() - t0
 
     def drain(self) -> None:
         """No IO in flight and nothing staged (before direct reads or checkpointing)."""
+        self._join()
         for si in list(self.writing):
             self._finish_writes(si)
             self.free.append(si)
@@ -258,3 +281,4 @@ class NvmeState:
 
     def close(self) -> None:
         self.drain()  # the store itself belongs to the engine
+        self._tail_thread.shutdown(wait=True)
