@@ -180,7 +180,7 @@ class OffloadConfig:
                 raise ConfigError(f"{name}: must be a finite number "
                                   f"{'>= 0 (0 = dynamic)' if name == 'loss_scale' else '> 0'}, "
                                   f"got {v!r}")
-        for name in ("pin_memory", "verify_checksums", "swap_fsync", "prefetch_optimizer_state"):
+        for name in (f.name for f in dataclasses.fields(self) if f.type in ("bool", bool)):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         for name in ("nvme_dir", "block_list"):
@@ -337,7 +337,8 @@ def from_deepspeed(ds: Mapping[str, Any], **overrides: Any) -> OffloadConfig:
 def load_config_file(path: str) -> OffloadConfig:
     """A JSON file in our flat form or DeepSpeed's."""
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a FIFO must not block the open; no effect on a regular file
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_FILE_BYTES:
                 raise ConfigError(f"config file {path}: not a regular JSON file of at most "
@@ -350,7 +351,10 @@ def load_config_file(path: str) -> OffloadConfig:
     except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, 5000-digit integers
         what = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
         raise ConfigError(f"config file {path}: not valid JSON ({what})") from None
-    return OffloadConfig.from_dict(d)
+    try:
+        return OffloadConfig.from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
 
 
 MAX_CONFIG_FILE_BYTES = 16 << 20
