@@ -98,7 +98,7 @@ def _child(argv: list[str]) -> int:
     phases = _PhaseFile(os.environ.get(PHASE_ENV))
 
     def die(where: str) -> None:
-        sys.stderr.write(f"\nchaos: SIGKILL in {where} (call {counter[0]} of {phase})\n")
+        sys.stderr.write(f"\nchaos: SIGKILL in {where} (call {target} of {phase})\n")
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -271,8 +271,8 @@ def choose_kill(rng: random.Random, remaining: int, save_every: int, max_delay: 
         # every save writes one file per block (5) and one model shard; the final save too
         saves = max(1, horizon // save_every)
         n = rng.randint(1, 6 * saves)
-    elif phase == "checkpoint-rename":
-        n = rng.randint(1, 2 * max(1, horizon // save_every))
+    elif phase == "checkpoint-rename":  # always just after a rename
+        return f"{phase}:{rng.randint(1, 2 * max(1, horizon // save_every))}:after"
     elif phase == "swap-write":
         n = rng.randint(1, 30 + 15 * horizon)  # init + resume rewrite every file, then 15/update
     else:
