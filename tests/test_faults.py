@@ -290,3 +290,33 @@ def test_pinned_memory_is_capped_with_a_pageable_fallback(monkeypatch):
     with pytest.warns(UserWarning, match="pageable"):
         t = tiers.host_empty((cap // 2 + 4096) // 4, torch.float32, pin=True)
     assert calls == [False] and t.numel() == (cap // 2 + 4096) // 4
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 10 MiB filesystem (tmpfs), where the root may mount one; skipped elsewhere."""
+    import subprocess
+
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs",
+                                            str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("needs permission to mount a tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_really_full_disk(small_tmpfs, capsys, reference):
+    """No injection: the output goes to a 10 MiB filesystem. The first checkpoint fits, the
+    second save (which needs room for both copies) runs out of space. After the disk is made
+    bigger, the run resumes from the intact first checkpoint and ends as if nothing happened."""
+    import subprocess
+
+    out = str(small_tmpfs / "run")
+    line = _fails_cleanly(capsys, ARGS + ["--output", out], "No space left on device")
+    assert "saving the checkpoint" in line or "swap write" in line, line
+    assert _checkpoint_step(out) >= 2
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
+    _resume_matches(out, reference)
