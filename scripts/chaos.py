@@ -253,16 +253,17 @@ def _rates(save_every: int) -> dict[str, int]:
 
 
 def choose_kill(rng: random.Random, remaining: int, save_every: int, max_delay: float,
-                phases: list[str] | None = None) -> str:
-    """A kill plan that fires before the run ends (so every launch but the last is killed)."""
+                phases: list[str] | None = None, launch_s: float = 0.0) -> str:
+    """A kill plan that fires before the run ends (so every launch but the last is killed).
+    `launch_s`: a low estimate of how long this launch would run if not killed."""
     if phases:
         phase = phases[0]
     elif remaining <= 1:
         phase = rng.choice(["checkpoint", "checkpoint-rename", "export"])
     else:  # an outside kill needs enough run left that it surely lands before the end
-        phase = rng.choice([p for p in PHASES if p != "export" and (p != "time" or remaining >= 12)])
+        phase = rng.choice([p for p in PHASES if p != "export" and (p != "time" or launch_s >= 1.0)])
     if phase == "time":
-        return f"time:{rng.uniform(0.5, max_delay):.2f}"
+        return f"time:{min(max_delay, rng.uniform(0.25, 0.95) * launch_s):.2f}"
     if phase == "export":
         return f"export:1:{rng.choice(['before', 'after'])}"
     horizon = max(1, min(remaining - 1, 2 * save_every)) if phase not in (
@@ -394,7 +395,11 @@ def run_campaign(workdir: str, kills: int, steps: int, save_every: int, seed: in
         args = finetune_args(out, steps, save_every, seed, extra) + (["--resume", out] if resumed else [])
         i = len(camp.launches)
         if camp.kills < kills:
-            plan = choose_kill(rng, steps - (step or 0), save_every, max_delay, forced[:1] or None)
+            # the reference's time for the updates left: an underestimate of this launch (its
+            # start-up and evaluation are counted once, spread over all updates)
+            launch_s = camp.reference_s * (steps - (step or 0)) / steps
+            plan = choose_kill(rng, steps - (step or 0), save_every, max_delay, forced[:1] or None,
+                               launch_s)
             forced = forced[1:]
         else:
             plan = "none"
