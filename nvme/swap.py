@@ -187,8 +187,12 @@ class SwapStore:
                 self._step = int(m["step"])
                 listed = {n: SwapEntry.from_json(n, d) for n, d in m["tensors"].items()}
             except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-                raise SwapError(errno_mod.EINVAL, f"swap manifest {mpath} is unreadable: "
-                                                  f"{e!r}") from None
+                why = ("nested too deeply" if isinstance(e, RecursionError) else
+                       f"missing or unknown key {e}" if isinstance(e, KeyError) else
+                       "wrong structure" if isinstance(e, AttributeError) else str(e)[:200])
+                raise SwapError(errno_mod.EINVAL, f"swap manifest {mpath} is unreadable: {why} "
+                                                  f"(not a manifest this program wrote, or "
+                                                  f"damaged; move it away to start afresh)") from None
         files = set()
         for f in os.listdir(self.dir):
             if f.endswith(SUFFIX + TMP):  # a write that never reached its rename
