@@ -261,9 +261,9 @@ def choose_kill(rng: random.Random, remaining: int, save_every: int, max_delay: 
     elif remaining <= 1:
         phase = rng.choice(["checkpoint", "checkpoint-rename", "export"])
     else:  # an outside kill needs enough run left that it surely lands before the end
-        phase = rng.choice([p for p in PHASES if p != "export" and (p != "time" or launch_s >= 1.0)])
-    if phase == "time":
-        return f"time:{min(max_delay, rng.uniform(0.25, 0.95) * launch_s):.2f}"
+        phase = rng.choice([p for p in PHASES if p != "export" and (p != "time" or launch_s >= 2.0)])
+    if phase == "time":  # at most half the estimate: the machine may be faster than it was
+        return f"time:{min(max_delay, rng.uniform(0.1, 0.5) * launch_s):.2f}"
     if phase == "export":
         return f"export:1:{rng.choice(['before', 'after'])}"
     horizon = max(1, min(remaining - 1, 2 * save_every)) if phase not in (
