@@ -366,6 +366,25 @@ def _write_with_engine(engine, path: str, offset: int, tensors: Mapping[str, tor
     return total
 
 
+def write_json_atomic(path: str | os.PathLike, obj: object, *, indent: int = 1,
+                      sort_keys: bool = False) -> None:
+    """Write `obj` as JSON to `path` atomically: a temporary name `<path>.tmp.<pid>`, fsync,
+    rename over `path`; the temporary is removed if anything fails, so `path` always holds
+    either the old complete file or the new one."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=indent, sort_keys=sort_keys)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+
+
 def _write_all(fd: int, buf: memoryview, path: str) -> int:
     done = 0
     while done < len(buf):

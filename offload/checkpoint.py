@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nvme.format import fsync_dir
+from nvme.format import fsync_dir, write_json_atomic
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -48,20 +48,6 @@ def _fsync_tree(path: str) -> None:
             finally:
                 os.close(fd)
         fsync_dir(root)
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def rng_state() -> dict[str, str]:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from offload.activations import ActivationStore, enable_activation_checkpointing
-from offload.blocks import Block, bind_views, gather_flat, group_blocks, move_frozen_and_buffers
+from offload.blocks import bind_views, gather_flat, group_blocks, move_frozen_and_buffers
 from offload.config import ConfigError, OffloadConfig, as_config
 from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step

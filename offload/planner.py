@@ -26,7 +26,6 @@ The training planner (a later issue) will live in its own module and reuse `Link
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -163,7 +162,7 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
     if force is not None and force not in FORCED:
         raise ValueError(f"force must be one of {FORCED}")
     n = len(block_bytes)
-    biggest, biggest_stored = max(block_bytes), max(stored_block_bytes)
+    biggest = max(block_bytes)
     depth = {"cpu": host_ahead, "nvme": nvme_ahead}
     zero_copy = device_is_host
     fill_mode = mode

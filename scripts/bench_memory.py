@@ -144,7 +144,7 @@ def case_scale(swap_root: str) -> None:
           f"forward {s['forward_s']:.0f} s, backward {s['backward_s']:.0f} s, CPU step "
           f"{s['cpu_step_s']:.0f} s, IO wait {s['io_wait_s']:.0f} s, overlapped blocks "
           f"{s['overlapped_blocks']}")
-    print(f"bytes this update: " + ", ".join(f"{k} {gib(v)}" for k, v in s["bytes"].items() if v))
+    print("bytes this update: " + ", ".join(f"{k} {gib(v)}" for k, v in s["bytes"].items() if v))
     print(f"peak RSS {gib(r['peak_rss_bytes'])} (goal <= 6 GB = 5.59 GiB); engine peaks: "
           + ", ".join(f"{k} {gib(v)}" for k, v in r["tiers"].items()))
 

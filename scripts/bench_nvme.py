@@ -211,7 +211,7 @@ def main() -> None:
     print(f"# {size // MiB} MiB per run, median of {args.reps}; dir {args.dir}; "
           f"O_DIRECT {'yes' if direct else 'no'}; page cache dropped before buffered reads: "
           f"{'yes' if cold else 'no'}; {os.cpu_count()} CPUs")
-    print(f"| method | write GB/s | read GB/s |\n|---|---|---|")
+    print("| method | write GB/s | read GB/s |\n|---|---|---|")
     names = list(dict.fromkeys(k[0] for k in keys))
     for name in names:
         w, r = gbps.get((name, "write")), gbps.get((name, "read"))

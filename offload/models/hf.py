@@ -24,7 +24,8 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from nvme.format import FormatError, SafetensorsFile, fsync_dir, open_regular, write_file
+from nvme.format import (FormatError, SafetensorsFile, fsync_dir, open_regular, write_file,
+                         write_json_atomic)
 from offload.models.config import (ConfigError, ModelConfig, block_parameter_shapes, block_prefix,
                                    parameter_shapes)
 from offload.models.llama import LlamaForCausalLM, build_model
@@ -334,18 +335,7 @@ def _named_tensors(source: StateSource, expected: Mapping[str, tuple[int, ...]])
 
 
 def _write_json(path: str, obj: object) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json_atomic(path, obj, indent=2, sort_keys=True)
 
 
 def _is_leftover(name: str) -> bool:
