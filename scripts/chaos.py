@@ -246,50 +246,65 @@ def checkpoint_step(output: str) -> int | None:
         return None
 
 
-def _rates(save_every: int) -> dict[str, int]:
-    # calls per update of each kill point (tiny preset: 4 layers, 5 blocks, 3 swap files each)
-    return {"forward": 4, "backward": 4, "cpu-step": 5, "swap-write": 15,
-            "checkpoint": max(1, 6 // save_every), "checkpoint-rename": 1}
+# calls per update of each in-process kill point with the tiny preset (4 layers, 5 blocks, 3
+# swap files per block), per micro-batch for forward/backward
+RATES = {"forward": 4, "backward": 4, "cpu-step": 5, "swap-write": 15}
 
 
 def choose_kill(rng: random.Random, remaining: int, save_every: int, max_delay: float,
-                phases: list[str] | None = None, launch_s: float = 0.0) -> str:
-    """A kill plan that fires before the run ends (so every launch but the last is killed).
-    `launch_s`: a low estimate of how long this launch would run if not killed."""
+                phases: list[str] | None = None, launch_s: float = 0.0, kills_left: int = 1,
+                resumed: bool = True, micro_batches: int = 1) -> str:
+    """A kill plan that fires before the run ends (so every launch but the last is killed),
+    aimed so that the kills left spread over the updates left: the target update lies in the
+    second half of this launch's share (`remaining / kills_left` updates), so most launches
+    get a checkpoint further. `launch_s`: a low estimate of this launch's duration if not
+    killed; `resumed`: the launch rewrites the swap files from a checkpoint at start."""
     if phases:
         phase = phases[0]
     elif remaining <= 1:
         phase = rng.choice(["checkpoint", "checkpoint-rename", "export"])
     else:  # an outside kill needs enough run left that it surely lands before the end
         phase = rng.choice([p for p in PHASES if p != "export" and (p != "time" or launch_s >= 2.0)])
-    if phase == "time":  # at most half the estimate: the machine may be faster than it was
-        return f"time:{min(max_delay, rng.uniform(0.1, 0.5) * launch_s):.2f}"
+    share = max(1, remaining // max(1, kills_left))
+    if phase == "time":  # counted from the first training forward (see run_launch); within
+        # half the estimate: the machine may be faster than when the reference ran
+        return f"time:{min(max_delay, rng.uniform(0.05, 0.5) * launch_s * share / remaining):.2f}"
     if phase == "export":
         return f"export:1:{rng.choice(['before', 'after'])}"
-    horizon = max(1, min(remaining - 1, 2 * save_every)) if phase not in (
-        "checkpoint", "checkpoint-rename") else max(1, min(remaining, 2 * save_every))
-    if phase == "checkpoint":
-        # every save writes one file per block (5) and one model shard; the final save too
-        saves = max(1, horizon // save_every)
-        n = rng.randint(1, 6 * saves)
-    elif phase == "checkpoint-rename":  # always just after a rename
-        return f"{phase}:{rng.randint(1, 2 * max(1, horizon // save_every))}:after"
-    elif phase == "swap-write":
-        n = rng.randint(1, 30 + 15 * horizon)  # init + resume rewrite every file, then 15/update
-    else:
-        n = rng.randint(1, _rates(save_every)[phase] * horizon)
-    return f"{phase}:{n}:{rng.choice(['before', 'after'])}"
+    when = rng.choice(["before", "after"])
+    if phase in ("checkpoint", "checkpoint-rename"):
+        saves = max(1, min(share, remaining) // save_every)  # saves this launch reaches
+        k = rng.randint(max(1, (saves + 1) // 2), saves)
+        if phase == "checkpoint":  # each save writes one file per block (5) and one model shard
+            return f"{phase}:{6 * (k - 1) + rng.randint(1, 6)}:{when}"
+        # two renames per save (the first save of a fresh run has only the second)
+        first = 1 if resumed else 0
+        return f"{phase}:{max(1, 2 * (k - 1) + rng.randint(1, 2) - (1 - first))}:after"
+    update = rng.randint(max(1, (share + 1) // 2), max(1, min(share, remaining - 1)))
+    if phase == "swap-write":
+        start = 30 if resumed else 15  # init, then (resumed) the checkpoint rewritten into swap
+        if rng.random() < 0.2:  # sometimes while the swap files are being (re)written at start
+            return f"{phase}:{rng.randint(1, start)}:{when}"
+        return f"{phase}:{start + 15 * (update - 1) + rng.randint(1, 15)}:{when}"
+    rate = RATES[phase] * (micro_batches if phase in ("forward", "backward") else 1)
+    return f"{phase}:{rate * (update - 1) + rng.randint(1, rate)}:{when}"
 
 
 def run_launch(cmd: list[str], plan: str, log: str, phase_file: str, timeout: float) -> tuple[int, str]:
     env = _env()
     env[PHASE_ENV] = phase_file
+    if os.path.exists(phase_file):
+        os.unlink(phase_file)  # the previous launch's last phase must not be read as this one's
     if not plan.startswith("time:"):
         env[KILL_ENV] = plan
     with open(log, "w") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         try:
             if plan.startswith("time:"):
+                # the delay runs from the first training forward: start-up time varies a lot
+                # with the machine's load, the pace of updates much less
+                while p.poll() is None and _read_phase(phase_file) in STARTING:
+                    time.sleep(0.005)
                 try:
                     rc = p.wait(timeout=float(plan.split(":")[1]))
                 except subprocess.TimeoutExpired:
@@ -309,6 +324,9 @@ def run_launch(cmd: list[str], plan: str, log: str, phase_file: str, timeout: fl
             lines = [ln for ln in f.read().splitlines() if ln.startswith("chaos: SIGKILL in ")]
         where = lines[-1][len("chaos: SIGKILL in "):] if lines else _read_phase(phase_file)
     return rc, where
+
+
+STARTING = ("", "?", "startup", "engine-init", "resume-load")
 
 
 def _read_phase(path: str) -> str:
@@ -388,6 +406,9 @@ def run_campaign(workdir: str, kills: int, steps: int, save_every: int, seed: in
         return camp
     echo(f"reference: {steps} updates in {camp.reference_s:.1f} s")
     child = [sys.executable, os.path.abspath(__file__), "child"]
+    flags = dict(zip(extra[::2], extra[1::2]))  # --batch-size 4 --micro-batch-size 2 ...
+    batch = int(flags.get("--batch-size", 16))
+    micro_batches = batch // int(flags.get("--micro-batch-size", batch))
     forced = list(phases or [])
     while True:
         step = checkpoint_step(out)
@@ -399,7 +420,7 @@ def run_campaign(workdir: str, kills: int, steps: int, save_every: int, seed: in
             # start-up and evaluation are counted once, spread over all updates)
             launch_s = camp.reference_s * (steps - (step or 0)) / steps
             plan = choose_kill(rng, steps - (step or 0), save_every, max_delay, forced[:1] or None,
-                               launch_s)
+                               launch_s, kills - camp.kills, resumed, micro_batches)
             forced = forced[1:]
         else:
             plan = "none"
