@@ -94,6 +94,8 @@ def load_documents(path: str | None) -> list[Document]:
                         f"({{\"text\": ...}} or {{\"prompt\": ..., \"response\": ...}} per line)")
     docs: list[Document] = []
     for f in files:
+        if not os.path.isfile(f):  # a FIFO or a device would block or never end
+            raise DataError(f"data file {f}: not a regular file")
         try:
             docs.extend(_read_jsonl(f) if f.endswith(".jsonl") else _read_txt(f))
         except OSError as e:

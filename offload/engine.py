@@ -584,12 +584,21 @@ class Engine:
                              f"(or the save was interrupted)") from None
         except (OSError, json.JSONDecodeError) as e:
             raise StateError(f"{meta_path}: unreadable ({e})") from None
-        if meta.get("format") != "offload-engine-state":
+        if not isinstance(meta, dict) or meta.get("format") != "offload-engine-state":
             raise StateError(f"{meta_path}: not an offload engine state")
         if meta.get("layout") != self._layout():
             raise StateError(f"{directory}: the saved state is for a different model (its "
                              f"parameter names or shapes differ from this model's); resume with "
                              f"the model it was saved from or start a fresh run")
+        for key, kind in (("global_step", int), ("micro_step", int), ("clean_steps", int),
+                          ("hysteresis_left", int), ("skipped_steps", int),
+                          ("loss_scale", (int, float)), ("lr", (int, float))):
+            value = meta.get(key)
+            if isinstance(value, bool) or not isinstance(value, kind) or (
+                    isinstance(value, float) and not math.isfinite(value)) or value < 0:
+                raise StateError(f"{meta_path}: {key!r} is missing or not a valid number "
+                                 f"({value!r}); the saved state is damaged — resume from "
+                                 f"another checkpoint")
         for bi, block in enumerate(self.blocks):
             path = os.path.join(directory, f"block-{bi:05d}.safetensors")
             try:
@@ -626,6 +635,10 @@ class Engine:
         return format_report({k: v for k, v in self.account.report().items()})
 
     def close(self) -> None:
+        """Finish IO, release the swap directory's lock and every thread (idempotent)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -110,10 +110,9 @@ class InferencePlan:
         leg is not added.)"""
         s = self.streamed_per_step()
         out = 0.0
-        if s["h2d"]:
-            out += s["h2d"] / (links.h2d_gbps * 1e9)
-        if s["disk"]:
-            out += s["disk"] / (links.disk_gbps * 1e9)
+        for key, gbps in (("h2d", links.h2d_gbps), ("disk", links.disk_gbps)):
+            if s[key]:  # a link measured at 0 GB/s has no finite floor
+                out += s[key] / (gbps * 1e9) if gbps > 0 else float("inf")
         return out
 
     def describe(self, links: Links | None = None) -> str:

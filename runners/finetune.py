@@ -333,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
                       stop, trainer, resume_dir, history)
     finally:
         stop.restore()
+        engine.close()  # also on errors: in-process callers must get the swap lock back
 
 
 def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg, stop, trainer,
@@ -342,6 +343,8 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
     from runners.report import summary_table, write_loss_plot
 
     metrics_path = args.metrics or os.path.join(args.output, "metrics.jsonl")
+    if resume_dir:  # rows past the checkpoint belong to updates that are about to be redone
+        _truncate_metrics(metrics_path, engine.global_step)
     metrics = open(metrics_path, "a" if resume_dir else "w")
     export_dtype = cfg.torch_dtype
     totals: dict[str, float] = {}
@@ -428,6 +431,26 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
           + (f"\nloss curve: {png}" if png else ""))
     engine.close()
     return 0
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Keep only the metrics rows of updates up to `step` (atomically rewritten)."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by a crash
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
 
 
 def _progress(args: argparse.Namespace, start: int):
