@@ -315,8 +315,13 @@ def test_a_really_full_disk(small_tmpfs, capsys, reference):
     import subprocess
 
     out = str(small_tmpfs / "run")
-    line = _fails_cleanly(capsys, ARGS + ["--output", out], "No space left on device")
-    assert "saving the checkpoint" in line or "swap write" in line, line
+    line = _fails_cleanly(capsys, ARGS + ["--output", out])
+    # which check trips first depends on write timing: the kernel's ENOSPC during a save or a
+    # swap write, or the swap store's own free-space check counting writes in flight — each a
+    # one-line error naming the shortfall
+    assert ("No space left on device" in line and ("saving the checkpoint" in line or
+                                                   "swap write" in line)) or \
+        ("swap directory" in line and "are free there" in line), line
     assert _checkpoint_step(out) >= 2
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
     _resume_matches(out, reference)
