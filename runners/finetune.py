@@ -180,7 +180,7 @@ def engine_config(args: argparse.Namespace, device: torch.device):
 def load_model(args: argparse.Namespace):
     """(model on meta, its config, the source that fills it block by block, tokenizer)."""
     from offload.data import ByteTokenizer
-    from offload.models import CheckpointReader, build_model, init_parameter_, preset
+    from offload.models import CheckpointReader, build_model, preset, seeded_init
 
     if os.path.isdir(args.model):
         reader = CheckpointReader(args.model)
@@ -191,11 +191,7 @@ def load_model(args: argparse.Namespace):
         fail(f"--model {args.model}: no such directory (give a checkpoint directory or a preset name)")
     else:
         cfg = preset(args.model)
-        seed = args.seed
-
-        def source(tensors: dict[str, torch.Tensor]) -> None:
-            for name, t in tensors.items():
-                init_parameter_(name, t, seed, cfg.initializer_range)
+        source = seeded_init(args.seed, cfg.initializer_range)
         tokenizer = ByteTokenizer()
     if tokenizer.vocab_size > cfg.vocab_size:
         fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "

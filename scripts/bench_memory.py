@@ -34,18 +34,15 @@ def worker(spec: dict) -> dict:
 
     import offload
     from offload.config import OffloadConfig
-    from offload.models import ModelConfig, build_model, init_parameter_, num_params
+    from offload.models import ModelConfig, build_model, num_params, seeded_init
 
     torch.manual_seed(0)
     mcfg = ModelConfig(**spec["model"])
     model = build_model(mcfg, device="meta", dtype=torch.float32)
 
-    def source(tensors):
-        for name, t in tensors.items():
-            init_parameter_(name, t, 0, mcfg.initializer_range)
-
     t0 = time.perf_counter()
-    engine = offload.initialize(model, OffloadConfig(**spec["engine"]), source=source)
+    engine = offload.initialize(model, OffloadConfig(**spec["engine"]),
+                                source=seeded_init(0, mcfg.initializer_range))
     init_s = time.perf_counter() - t0
     ids = torch.randint(0, mcfg.vocab_size, (spec["batch"], spec["seq"] + 1))
     steps = []

@@ -61,12 +61,10 @@ def run_mode(mode: str, args, swap_root: str) -> dict:
     cfg = OffloadConfig(nvme_dir=os.path.join(swap_root, mode), dtype=args.dtype, device="cpu",
                         lr=1e-4, buffer_count=args.buffer_count,
                         verify_checksums=not args.no_verify, **opts)
-    from offload.models import init_parameter_
+    from offload.models import seeded_init
 
-    def source(tensors):  # seeded init straight into the engine, block by block
-        for name, t in tensors.items():
-            init_parameter_(name, t, args.seed, cfg_model.initializer_range)
-    engine = offload.initialize(model, cfg, source=source)
+    # seeded init straight into the engine, block by block
+    engine = offload.initialize(model, cfg, source=seeded_init(args.seed, cfg_model.initializer_range))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg_model.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
     step_s, reports = [], []

@@ -8,7 +8,8 @@ from offload.models.hf import (CheckpointError, CheckpointReader, TensorLocation
                                save_pretrained)
 from offload.models.llama import (DecoderLayer, KVCache, LlamaForCausalLM, build_model,
                                   init_parameter_, kv_cache_bytes, materialize_block,
-                                  materialize_non_block, release_block, rope_frequencies)
+                                  materialize_non_block, release_block, rope_frequencies,
+                                  seeded_init)
 
 __all__ = [
     "ARCHITECTURES", "PRESETS", "ConfigError", "ModelConfig", "block_parameter_shapes",
@@ -16,5 +17,5 @@ __all__ = [
     "CheckpointError", "CheckpointReader", "TensorLocation", "load_model", "save_pretrained",
     "DecoderLayer", "KVCache", "LlamaForCausalLM", "build_model", "init_parameter_",
     "kv_cache_bytes", "materialize_block", "materialize_non_block", "release_block",
-    "rope_frequencies",
+    "rope_frequencies", "seeded_init",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -371,6 +371,15 @@ def init_parameter_(name: str, out: torch.Tensor, seed: int, std: float) -> None
     else:
         gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
         out.copy_(torch.empty(out.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+
+def seeded_init(seed: int, std: float) -> Callable[[Mapping[str, torch.Tensor]], None]:
+    """A source for `offload.initialize(model, cfg, source=...)` (or anything filling named
+    tensors in place) that gives every parameter init_parameter_'s deterministic values."""
+    def fill(tensors: Mapping[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            init_parameter_(name, t, seed, std)
+    return fill
 
 
 def _materialize(model: nn.Module, named: Iterable[tuple[str, nn.Parameter]], device: torch.device | str,
