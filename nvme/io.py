@@ -135,6 +135,18 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache (root only), so the next reads come from the
+    disk: cold-cache measurements for benchmarks. False where it is not permitted."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def aligned_empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.uint8, *,
                   align: int = ALIGN, pin: bool = False) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor whose first byte is `align`-aligned (usable as an

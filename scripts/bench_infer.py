@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import sys
 import time
@@ -30,18 +29,9 @@ from offload.generate import generate
 from offload.models import CheckpointReader, num_params, preset
 from offload.planner import measure_links
 from offload.stream import load_streamed
+from nvme.io import drop_caches
 from offload.tiers import peak_rss_bytes
 from runners.infer import random_checkpoint
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:

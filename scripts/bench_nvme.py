@@ -27,19 +27,9 @@ import time
 import torch
 
 from nvme import IOEngine, SwapStore, aligned_empty
-from nvme.io import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, tensor_bytes
+from nvme.io import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, drop_caches, tensor_bytes
 
 MiB = 1 << 20
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def dd(src: str, dst: str, block: int, count: int, write: bool) -> float:
