@@ -244,3 +244,21 @@ def test_model_is_blocks_in_one_module_list() -> None:
     assert biggest is model.model.layers and len(biggest) == 32
     assert isinstance(model, LlamaForCausalLM)
     assert math.isclose(sum(p.numel() for p in biggest.parameters()) / 1e9, 6.476, abs_tol=0.001)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_row_projection_equals_linear(bias: bool) -> None:
+    """`project` (the decode-shaped kernel choice) computes nn.Linear: the same values for every
+    row count, and with gradients enabled it *is* nn.Linear, bit for bit (training's
+    equivalence with plain PyTorch depends on that)."""
+    from offload.models.llama import SMALL_ROWS_MAX, project
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(96, 200, bias=bias)
+    for rows in range(1, SMALL_ROWS_MAX + 3):
+        x = torch.randn(rows, 1, 96, generator=g)  # [B, T=1, in], as in batched decode
+        with torch.inference_mode():
+            got, want = project(layer, x), layer(x)
+        assert got.shape == want.shape == (rows, 1, 200)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        with torch.enable_grad():
+            assert torch.equal(project(layer, x), layer(x))
