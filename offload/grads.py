@@ -30,6 +30,19 @@ from offload.tiers import LinkCounter, MemoryAccount, host_empty, host_zeros
 
 
 POOL_TIMEOUT_S = 600.0
+NORM_CHUNK = 1 << 22  # elements cast to fp32 at a time when a 16-bit gradient's norm is taken
+
+
+def fp32_norm(flat: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of a 1-D tensor, accumulated in fp32 (0-d fp32 tensor). A 16-bit tensor is
+    cast a chunk at a time: vector_norm(dtype=float32) casts its whole input first, which for a
+    tied 128K-vocabulary embedding is a 1.6 GB transient in the middle of backward. fp32
+    input takes the single call, so fp32 results are exactly clip_grad_norm_'s."""
+    if flat.dtype == torch.float32 or flat.numel() <= NORM_CHUNK:
+        return torch.linalg.vector_norm(flat, dtype=torch.float32)
+    parts = [torch.linalg.vector_norm(flat[i:i + NORM_CHUNK], dtype=torch.float32)
+             for i in range(0, flat.numel(), NORM_CHUNK)]
+    return torch.linalg.vector_norm(torch.stack(parts))
 
 
 class GradLanding:
@@ -54,6 +67,7 @@ class GradLanding:
         # taken when a block's first gradient lands and given back after its step, replace one
         # buffer per block — host memory for gradients no longer grows with the model.
         self.pooled = pool_buffers > 0
+        self._lazy: set[int] = set()  # buffers made at first landing, freed after the step
         self.landing: list[torch.Tensor | None]
         if self.pooled:
             assert accum_steps == 1 and tier == "host", "pooled landing needs accum 1 on the host"
@@ -65,12 +79,20 @@ class GradLanding:
             for _ in range(pool_buffers):
                 self._pool.put(host_zeros(largest, self.landing_dtype, pin))
             account.add(tier, "grads", pool_buffers * largest * self.landing_dtype.itemsize)
-            self.landing = [None if i in self._pooled else
+            # When gradients come from the CPU, those buffers are made when their first
+            # gradient lands and freed after their step: autograd's own transients for the
+            # same block (a tied embedding's two dense gradients and their sum: three
+            # vocab x hidden tensors) peak just before, and would otherwise sit on top of a
+            # buffer held since start-up. From a GPU they stay allocated: pinned memory is
+            # slow to allocate, and autograd's transients are in device memory there.
+            self._lazy = set() if self.cuda else set(range(len(blocks))) - self._pooled
+            self.landing = [None if i in self._pooled or i in self._lazy else
                             host_zeros(b.numel, self.landing_dtype, pin)
                             for i, b in enumerate(blocks)]
             for i, b in enumerate(blocks):
-                if i not in self._pooled:
+                if i not in self._pooled and i not in self._lazy:
                     account.add(tier, "grads", b.numel * self.landing_dtype.itemsize)
+            self._account, self._pin = account, pin
             self._base: list[torch.Tensor | None] = [None] * len(blocks)
             self.pool_wait_s = 0.0
         else:
@@ -146,7 +168,11 @@ class GradLanding:
     def buffer(self, bi: int) -> torch.Tensor:
         """Block bi's landing buffer (pooled: taken from the pool on first use)."""
         t = self.landing[bi]
-        if t is None:
+        if t is None and bi in self._lazy:
+            # every slot is overwritten by its gradient or zeroed by finish_window before use
+            t = self.landing[bi] = host_empty(self.blocks[bi].numel, self.landing_dtype, self._pin)
+            self._account.add("host", "grads", t.numel() * t.element_size())
+        elif t is None:
             t0 = time.perf_counter()
             try:
                 base = self._pool.get(timeout=POOL_TIMEOUT_S)
@@ -160,8 +186,12 @@ class GradLanding:
         return t
 
     def release_buffer(self, bi: int) -> None:
-        """Pooled: block bi has been stepped; its buffer goes back to the pool."""
-        if self.pooled and bi in self._pooled and self._base[bi] is not None:
+        """Pooled: block bi has been stepped; its buffer goes back to the pool (or is freed,
+        for a lazily made one)."""
+        if self.pooled and bi in self._lazy and self.landing[bi] is not None:
+            t, self.landing[bi] = self.landing[bi], None
+            self._account.sub("host", "grads", t.numel() * t.element_size())
+        elif self.pooled and bi in self._pooled and self._base[bi] is not None:
             base, self._base[bi], self.landing[bi] = self._base[bi], None, None
             self._pool.put(base)
 
@@ -176,7 +206,7 @@ class GradLanding:
         dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
         # norm in fp32 whatever the landing dtype: the same number clip_grad_norm_ computes
         # per parameter before combining them.
-        self.slot_norm[slot.name] = torch.linalg.vector_norm(dst, dtype=torch.float32)
+        self.slot_norm[slot.name] = fp32_norm(dst)
         landed = self.landed[bi]
         landed.add(slot.name)
         if len(landed) == len(self.blocks[bi].slots) and self.on_block_done is not None:
