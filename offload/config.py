@@ -119,6 +119,12 @@ class OffloadConfig:
     # step each block on the CPU as soon as its gradients land, while backward continues —
     # only where the math allows (no clipping, no fp16 overflow check: both need every gradient)
     overlap_step: bool = True
+    # ZeRO-Offload's one-step delayed parameter update: each update's CPU step runs while the
+    # next micro-batches' forward and backward run on the weights from one update earlier
+    # (those gradients are one step stale). Overlaps the whole step even with clipping or fp16;
+    # the first delayed_update_warmup updates are synchronous (early training moves fastest).
+    delayed_update: bool = False
+    delayed_update_warmup: int = 0
 
     def __post_init__(self) -> None:
         if self.offload not in ("none", "cpu", "nvme"):
@@ -157,7 +163,15 @@ class OffloadConfig:
                 isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
             raise ConfigError(f"betas: must be two numbers in [0, 1), got {self.betas!r}")
         self.betas = (float(betas[0]), float(betas[1]))
+        if self.delayed_update and self.offload == "none":
+            raise ConfigError("delayed_update overlaps the CPU optimizer step with the next "
+                              "forward and backward: it needs offload='cpu' or 'nvme'")
+        if self.delayed_update and self.offload_params != "none":
+            raise ConfigError("delayed_update needs the 16-bit weights resident on the device "
+                              "(offload_params='none'): streamed weights would be read while the "
+                              "delayed step rewrites them")
         for name, lo in (("grad_accum_steps", 1), ("buffer_count", 2), ("initial_scale_power", 0),
+                         ("delayed_update_warmup", 0),
                          ("sub_group_size", 1 << 10),
                          ("loss_scale_window", 1), ("hysteresis", 1)):
             v = getattr(self, name)
@@ -191,6 +205,25 @@ class OffloadConfig:
             parse_bytes(getattr(self, name), name)
 
     # -- derived values -------------------------------------------------------------------
+    def step_path(self) -> tuple[str, str]:
+        """How the optimizer step meets backward, and why: "overlapped" (each block steps as its
+        gradients land, same math), "delayed" (the whole step runs during the next forward and
+        backward, one step stale) or "after" (after backward). One answer for the engine, the
+        planner and the start banner."""
+        if self.delayed_update:
+            warm = (f", after {self.delayed_update_warmup} synchronous warm-up updates"
+                    if self.delayed_update_warmup else "")
+            return "delayed", ("delayed_update: each update's CPU step runs during the next "
+                               "forward and backward, which use the weights from one update "
+                               f"earlier{warm}")
+        if not self.overlap_step:
+            return "after", "overlap_step=False"
+        if self.grad_clip > 0:
+            return "after", "gradient clipping needs the global norm of every gradient first"
+        if self.dtype == "fp16":
+            return "after", "the fp16 overflow check needs every gradient first"
+        return "overlapped", "no clipping and no overflow check: each block steps as its gradients land"
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

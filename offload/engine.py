@@ -17,6 +17,7 @@ One update, in order:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -32,6 +33,7 @@ from torch import nn
 from offload.activations import ActivationStore, enable_activation_checkpointing
 from offload.blocks import bind_views, gather_flat, group_blocks, move_frozen_and_buffers
 from offload.config import ConfigError, OffloadConfig, as_config
+from offload.delayed import DelayedUpdate
 from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
@@ -58,6 +60,7 @@ class StepReport:
     bytes: dict[str, int] = field(default_factory=dict)  # link -> bytes this update
     overlap_wait_s: float = 0.0  # waiting at step() for blocks stepped during backward
     overlapped_blocks: int = 0  # blocks stepped while backward was still running
+    delayed: bool = False  # this update's CPU step runs during the next forward and backward
     applied: bool = True
     loss_scale: float = 1.0
     grad_norm: float | None = None
@@ -111,7 +114,8 @@ class Engine:
         self.skipped_steps = 0
         self.last_report = StepReport()
         self._pending = StepReport()
-        self.overlap, self.overlap_why = self._overlap_allowed()
+        path, self.overlap_why = cfg.step_path()  # how the step meets backward, and why
+        self.overlap = path == "overlapped"
         self._check_budgets()
 
         # optimizer state; then 16-bit weights, one block at a time so the peak extra memory
@@ -183,6 +187,8 @@ class Engine:
             pool_buffers=grad_pool_buffers(cfg, len(self.blocks)),
             pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
         self.grads.attach()
+        self._weights_out = self.flat16  # where steps write 16-bit weights (delayed.py swaps it)
+        self.delayed = DelayedUpdate(self) if path == "delayed" else None
 
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
@@ -301,6 +307,8 @@ class Engine:
         before = self._link_mark  # bytes moved since the last update (backward's d2h included)
         rep.grad_wait_s = self.grads.wait()
         self.grads.finish_window()
+        if self.delayed is not None and self.delayed.active():
+            return self.delayed.step(rep, t_step, before)
         if self._overlap_jobs is not None:  # blocks already stepped during backward
             t0 = time.perf_counter()
             for job in self._overlap_jobs:
@@ -377,21 +385,11 @@ class Engine:
             self._hysteresis_left = self.cfg.hysteresis
 
     # -- the update ---------------------------------------------------------------------------
-    def _overlap_allowed(self) -> tuple[bool, str]:
-        """Whether blocks can be stepped while backward runs, and why (for the banner)."""
-        cfg = self.cfg
-        if not cfg.overlap_step:
-            return False, "overlap_step=False"
-        if cfg.grad_clip > 0:
-            return False, "gradient clipping needs the global norm of every gradient first"
-        if cfg.dtype == "fp16":
-            return False, "the fp16 overflow check needs every gradient first"
-        return True, "no clipping and no overflow check: each block steps as its gradients land"
-
     def _begin_update(self, grad_scale: float) -> None:
         """Everything the per-block steps of one update share; the update's step number."""
         self.global_step += 1
         self._grad_scale_now = grad_scale
+        self._lr_now = self.lr  # fixed for the update (a delayed one runs while lr may change)
         self._stepped: set[int] = set()
         self._k = 0
         self._io0 = self.state.io_wait_s
@@ -401,20 +399,21 @@ class Engine:
             self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
         self.state.begin_step(self._unit_order())
 
-    def _step_block(self, bi: int, rep: StepReport) -> None:
-        """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier."""
+    def _step_block(self, bi: int, rep: StepReport, grad: torch.Tensor | None = None) -> None:
+        """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier.
+        `grad`: the block's flat gradient (default: where it landed in this backward)."""
         cfg = self.cfg
         beta1, beta2 = cfg.betas
         kernel = (_torch_adamw_step if (cfg.offload == "none" and self.cuda) else
                   functools.partial(cpu_adamw_step, exact=cfg.exact_optimizer))
         out16, slot = self._upload_target(bi, self._k)
         self._k += 1
-        grad = self.grads.buffer(bi)
+        grad = self.grads.buffer(bi) if grad is None else grad
         for u, lo, hi in self.state.units_of(bi):  # sub-groups of a large block, in order
             master, exp_avg, exp_avg_sq = self.state.acquire(u)
             t0 = time.perf_counter()
             kernel(master, exp_avg, exp_avg_sq, grad[lo:hi], step=self.global_step,
-                   lr=self.lr, beta1=beta1, beta2=beta2, eps=cfg.eps,
+                   lr=self._lr_now, beta1=beta1, beta2=beta2, eps=cfg.eps,
                    weight_decay=cfg.weight_decay, grad_scale=self._grad_scale_now,
                    out16=out16[lo:hi] if self.dtype != torch.float32 else None)
             if self.dtype == torch.float32:
@@ -427,8 +426,9 @@ class Engine:
         rep.upload_s += time.perf_counter() - t0
         self._stepped.add(bi)
 
-    def _finish_update(self, rep: StepReport) -> None:
-        """Blocks not stepped yet, then make the update durable and visible to the next forward."""
+    def _finish_update(self, rep: StepReport, sync_compute: bool = True) -> None:
+        """Blocks not stepped yet, then make the update durable and visible to the next forward
+        (sync_compute: order the compute stream after the uploads now)."""
         for bi in self._step_order():
             if bi not in self._stepped:
                 self._step_block(bi, rep)
@@ -440,7 +440,7 @@ class Engine:
         rep.io_wait_s += time.perf_counter() - t0 + self._pending_io_s
         self._pending_io_s = 0.0
         self.state.end_step(self._unit_order(), self.global_step)
-        if self.cuda:
+        if self.cuda and sync_compute:
             t0 = time.perf_counter()
             # the next forward runs on the compute stream; it must see the new weights
             torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
@@ -486,7 +486,7 @@ class Engine:
                 self._pending_io_s += time.perf_counter() - t0
             return self._weight_ring[r][:numel], ("nvme", r)
         if not self.cuda or self.cfg.offload == "none":
-            return self.flat16[bi], ("direct", -1)
+            return self._weights_out[bi], ("direct", -1)
         r = k % len(self._upload_ring)
         done = self._upload_done[r]
         if done is not None:
@@ -498,7 +498,7 @@ class Engine:
         nbytes = out16.numel() * out16.element_size()
         if kind == "ring":
             with torch.cuda.stream(self.h2d_stream):
-                self.flat16[bi].copy_(out16, non_blocking=True)
+                self._weights_out[bi].copy_(out16, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.h2d_stream)
             self._upload_done[r] = ev
@@ -520,6 +520,7 @@ class Engine:
 
     def master_params(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 CPU tensor}: the current master weights (copies)."""
+        self._join_delayed()
         out: dict[str, torch.Tensor] = {}
         for bi, block in enumerate(self.blocks):
             flat = self.state.read(bi, "master")
@@ -529,6 +530,7 @@ class Engine:
     def iter_master_params(self):
         """(name, fp32 CPU tensor) one block at a time — the non-layer block first, then the
         layers in order (checkpoint order) — so exporting a model holds one block in memory."""
+        self._join_delayed()
         order = [i for i, b in enumerate(self.blocks) if b.module is None] + \
                 [i for i, b in enumerate(self.blocks) if b.module is not None]
         for bi in order:
@@ -536,7 +538,36 @@ class Engine:
 
     def optimizer_state(self, bi: int) -> dict[str, torch.Tensor]:
         """Copies of block bi's flat fp32 state: master, exp_avg, exp_avg_sq."""
+        self._join_delayed()
         return {k: self.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+
+    def _join_delayed(self) -> None:
+        if self.delayed is not None:
+            self.delayed.join()
+
+    def flush(self) -> None:
+        """Make a delayed update's pending weights the live ones now: a synchronisation point
+        that changes what the next forward computes with (to look without changing anything,
+        use `latest_weights()`). A no-op without delayed_update."""
+        if self.delayed is not None:
+            self.delayed.apply(StepReport())
+
+    @contextlib.contextmanager
+    def latest_weights(self):
+        """Inside, the model computes with the latest update's weights — a pending delayed
+        update's too — and afterwards with the same weights as before, so evaluating does not
+        change the training trajectory. Plain inside without delayed_update."""
+        if self.delayed is None or not self.delayed.pending:
+            yield
+            return
+        self.delayed.join()
+        for bi, block in enumerate(self.blocks):
+            bind_views(block, self.delayed.shadow[bi], self.module)
+        try:
+            yield
+        finally:
+            for bi, block in enumerate(self.blocks):
+                bind_views(block, self.flat16[bi], self.module)
 
     # -- checkpoints ------------------------------------------------------------------------
     def _layout(self) -> list[dict[str, Any]]:
@@ -549,6 +580,7 @@ class Engine:
                 "micro_step": self.micro_step, "loss_scale": self.loss_scale,
                 "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left,
                 "skipped_steps": self.skipped_steps, "lr": self.lr, "dtype": self.cfg.dtype,
+                "delayed_pending": self.delayed is not None and self.delayed.pending,
                 "layout": self._layout()}
 
     def save_state(self, directory: str) -> None:
@@ -560,10 +592,18 @@ class Engine:
         if self.micro_step % self.cfg.grad_accum_steps:
             raise RuntimeError("save_state in the middle of gradient accumulation; save after the "
                                "step() that applied an update")
+        # A delayed update whose weights are not live yet is saved as it is: the masters
+        # already include it and the weights in use are saved beside them ("live"), so the
+        # resumed run computes with the same stale weights as the run that goes on.
+        self._join_delayed()
+        pending = self.delayed is not None and self.delayed.pending
         os.makedirs(directory, exist_ok=True)
         for bi, block in enumerate(self.blocks):
+            tensors = self.optimizer_state(bi)
+            if pending:
+                tensors["live"] = self.flat16[bi].cpu()
             write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
-                       self.optimizer_state(bi), {"block": block.name})
+                       tensors, {"block": block.name})
         tmp = os.path.join(directory, "engine_state.json.tmp")
         with open(tmp, "w") as f:
             json.dump(self.state_meta(), f)
@@ -586,6 +626,8 @@ class Engine:
             raise StateError(f"{meta_path}: unreadable ({e})") from None
         if not isinstance(meta, dict) or meta.get("format") != "offload-engine-state":
             raise StateError(f"{meta_path}: not an offload engine state")
+        if self.delayed is not None:
+            self.delayed.drop()  # everything below overwrites what the pending job produced
         if meta.get("layout") != self._layout():
             raise StateError(f"{directory}: the saved state is for a different model (its "
                              f"parameter names or shapes differ from this model's); resume with "
@@ -599,11 +641,17 @@ class Engine:
                 raise StateError(f"{meta_path}: {key!r} is missing or not a valid number "
                                  f"({value!r}); the saved state is damaged — resume from "
                                  f"another checkpoint")
+        pending = meta.get("delayed_pending", False)
+        if not isinstance(pending, bool):
+            raise StateError(f"{meta_path}: 'delayed_pending' must be true or false, got "
+                             f"{pending!r}; the saved state is damaged — resume from another "
+                             f"checkpoint")
         for bi, block in enumerate(self.blocks):
             path = os.path.join(directory, f"block-{bi:05d}.safetensors")
             try:
                 with SafetensorsFile(path) as f:
                     values = {k: f.read(k) for k in ("master", "exp_avg", "exp_avg_sq")}
+                    live = f.read("live") if pending else None
             except (FormatError, KeyError, OSError) as e:
                 raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
             for kind, t in values.items():
@@ -611,14 +659,23 @@ class Engine:
                     raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
                                      f"expected ({block.numel},) float32")
                 self.state.load(bi, kind, t)
+            if live is not None and (live.shape != (block.numel,) or live.dtype != self.dtype):
+                raise StateError(f"{path}: live weights have shape {tuple(live.shape)} {live.dtype}, "
+                                 f"expected ({block.numel},) {self.dtype}")
             if bi in self.layer_of:  # 16-bit weights follow the masters, in their tier
                 self.streaming.load_weights(self.layer_of[bi], values["master"].to(self.dtype))
-            else:
+            elif live is not None and self.delayed is not None:
+                # the saved run was computing with the weights from before its last update
+                self.flat16[bi].copy_(live)
+                self.delayed.shadow[bi].copy_(values["master"])
+            else:  # not delayed now: the pending update simply goes live
                 self.flat16[bi].copy_(values["master"])
         self.global_step, self.micro_step = meta["global_step"], meta["micro_step"]
         self.loss_scale, self._clean_steps = meta["loss_scale"], meta["clean_steps"]
         self._hysteresis_left, self.skipped_steps = meta["hysteresis_left"], meta["skipped_steps"]
         self.lr = meta["lr"]
+        if pending and self.delayed is not None:
+            self.delayed.mark_pending()  # the next step() makes the masters' weights live
         if isinstance(self.state, NvmeState):
             self.state.end_step(self._unit_order(), self.global_step)
 

@@ -68,6 +68,7 @@ class GradLanding:
         # buffer per block — host memory for gradients no longer grows with the model.
         self.pooled = pool_buffers > 0
         self._lazy: set[int] = set()  # buffers made at first landing, freed after the step
+        self._account, self._pin_landing = account, pin
         self.landing: list[torch.Tensor | None]
         if self.pooled:
             assert accum_steps == 1 and tier == "host", "pooled landing needs accum 1 on the host"
@@ -92,7 +93,6 @@ class GradLanding:
             for i, b in enumerate(blocks):
                 if i not in self._pooled and i not in self._lazy:
                     account.add(tier, "grads", b.numel * self.landing_dtype.itemsize)
-            self._account, self._pin = account, pin
             self._base: list[torch.Tensor | None] = [None] * len(blocks)
             self.pool_wait_s = 0.0
         else:
@@ -170,7 +170,8 @@ class GradLanding:
         t = self.landing[bi]
         if t is None and bi in self._lazy:
             # every slot is overwritten by its gradient or zeroed by finish_window before use
-            t = self.landing[bi] = host_empty(self.blocks[bi].numel, self.landing_dtype, self._pin)
+            t = self.landing[bi] = host_empty(self.blocks[bi].numel, self.landing_dtype,
+                                              self._pin_landing)
             self._account.add("host", "grads", t.numel() * t.element_size())
         elif t is None:
             t0 = time.perf_counter()
@@ -184,6 +185,21 @@ class GradLanding:
             self._base[bi] = base
             t = self.landing[bi] = base[:self.blocks[bi].numel]
         return t
+
+    def add_second_set(self) -> None:
+        """A second full set of landing buffers (the delayed update: a job steps from one set
+        while the next backward lands in the other). Not with pooling."""
+        assert not self.pooled and all(t is not None for t in self.landing)
+        self._other = [torch.zeros_like(t) if t.device.type != "cpu" else
+                       host_zeros(t.numel(), t.dtype, self._pin_landing) for t in self.landing]
+        for t in self._other:
+            self._account.add("host" if t.device.type == "cpu" else "device", "grads",
+                              t.numel() * t.element_size())
+
+    def swap_sets(self) -> list[torch.Tensor]:
+        """Switch landing to the other set; returns the set just filled (call after wait())."""
+        filled, self.landing, self._other = self.landing, self._other, self.landing
+        return filled
 
     def release_buffer(self, bi: int) -> None:
         """Pooled: block bi has been stepped; its buffer goes back to the pool (or is freed,

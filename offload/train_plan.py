@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.config import OffloadConfig, format_bytes
+from offload.config import ConfigError, OffloadConfig, format_bytes
 from offload.tiers import (TIERS, BudgetError, check_fits, device_free_bytes, disk_free_bytes,
                            host_free_bytes)
 
@@ -41,19 +41,22 @@ class TrainingPlan:
         is free right now."""
         cfg = self.cfg
         what = f"{self.num_params / 1e6:.1f}M parameters ({cfg.dtype}, offload={cfg.offload!r})"
+        # delayed_update holds a second copy of the weights and gradients: say so first
+        delayed = "turn off delayed_update (it doubles weights and gradients), " if cfg.delayed_update else ""
         check_fits("device", self.total("device"), cfg.budget_bytes("device"),
                    device_free_bytes(self.device), what,
-                   "use offload='cpu' or 'nvme' (optimizer state off the device), a smaller "
-                   "model, or raise the device budget (--gpu-memory)")
-        host_hint = ("use offload='nvme' to keep optimizer state on disk, or raise the host "
-                     "budget (--cpu-memory)" if cfg.offload == "cpu" else
-                     "lower buffer_count, or raise the host budget (--cpu-memory)")
+                   delayed + "use offload='cpu' or 'nvme' (optimizer state off the device), a "
+                   "smaller model, or raise the device budget (--gpu-memory)")
+        host_hint = delayed + ("use offload='nvme' to keep optimizer state on disk, or raise the "
+                               "host budget (--cpu-memory)" if cfg.offload == "cpu" else
+                               "lower buffer_count, or raise the host budget (--cpu-memory)")
         check_fits("host", self.total("host"), cfg.budget_bytes("host"), host_free_bytes(),
                    what, host_hint)
         if self.device.type == "cpu":  # device and host are one RAM: both at once must fit
             check_fits("host", self.total("device") + self.total("host"), None,
                        host_free_bytes(), what + " (device and host tiers share the CPU's RAM)",
-                       "use offload='nvme' or a smaller model")
+                       delayed + ("a smaller model" if cfg.offload == "nvme" else
+                                  "use offload='nvme' or a smaller model"))
         if cfg.offload == "nvme":
             check_fits("nvme", self.total("nvme"), cfg.budget_bytes("nvme"),
                        disk_free_bytes(cfg.nvme_dir or "."), what,
@@ -100,8 +103,7 @@ def grad_pool_buffers(cfg: OffloadConfig, num_blocks: int) -> int:
     """Block-sized gradient landing buffers when gradients can be pooled (0: one per block).
     Pooling needs the overlapped step (each block consumed as soon as it lands) and no
     accumulation (nothing to keep between micro-batches)."""
-    overlap = cfg.overlap_step and cfg.grad_clip == 0 and cfg.dtype != "fp16"
-    if not overlap or cfg.grad_accum_steps > 1 or cfg.offload == "none":
+    if cfg.step_path()[0] != "overlapped" or cfg.grad_accum_steps > 1 or cfg.offload == "none":
         return 0
     pool = max(3, cfg.buffer_count)
     return pool if pool < num_blocks else 0
@@ -152,6 +154,11 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         host["grads"] = (pool * max(pooled) + n - sum(pooled)) * itemsize
     else:
         host["grads"] = grad_bytes
+    if cfg.delayed_update:
+        # the delayed step reads one set of gradients and writes a second copy of the weights
+        # while the next backward lands its gradients and reads the weights in use
+        host["grads"] *= 2
+        dev["weights"] *= 2
     if device.type == "cuda":
         # pinned staging the 16-bit weights are uploaded from (a ring of buffer_count blocks)
         ring = max(2, min(cfg.buffer_count, len(blocks)))
@@ -200,7 +207,10 @@ def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
     for label, changes in CANDIDATES:
         if "nvme" in (changes["offload"], changes["offload_params"]) and not base.nvme_dir:
             continue
-        cfg = base.replace(**{"offload_activations": False, **changes})
+        try:
+            cfg = base.replace(**{"offload_activations": False, **changes})
+        except ConfigError:  # a combination the base's other options exclude (delayed_update)
+            continue
         why = plan_fits(plan_training(blocks, cfg, device, activations))
         if why is None:
             return cfg, f"chose '{label}': the fastest configuration that fits the budgets"
@@ -226,7 +236,11 @@ def estimator_table(blocks: list[tuple[int, bool]], base: OffloadConfig, device:
              f"  {'configuration':<34} {'device B/param':>14} {'host B/param':>12} "
              f"{'nvme B/param':>12} {'device':>10} {'host':>10} {'nvme':>10}  fits"]
     for label, changes in CANDIDATES:
-        cfg = base.replace(**{"offload_activations": False, "nvme_dir": base.nvme_dir or ".", **changes})
+        try:
+            cfg = base.replace(**{"offload_activations": False, "nvme_dir": base.nvme_dir or ".", **changes})
+        except ConfigError as e:  # excluded by the base's other options
+            lines.append(f"  {label:<34} n/a: {e}")
+            continue
         plan = plan_training(blocks, cfg, device, activations)
         states = {t: sum(v for k, v in plan.bytes[t].items() if k != "activations") for t in TIERS}
         fits = "yes" if plan_fits(plan) is None else "no"

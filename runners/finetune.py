@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     ap.add_argument("--offload-activations", action="store_true",
                     help="keep the checkpointed block inputs in host memory (needs --activation-checkpointing)")
+    ap.add_argument("--delayed-update", action="store_true",
+                    help="one-step delayed update (ZeRO-Offload's DPU): each update's CPU step runs "
+                    "during the next forward and backward, which use the weights from one update "
+                    "earlier; overlaps the step even with clipping (needs --offload cpu/nvme)")
+    ap.add_argument("--delayed-update-warmup", type=int, default=0, help="updates applied "
+                    "synchronously before --delayed-update starts (default 0)")
     ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="updates between held-out "
                     "evaluations (0 = only at start and end)")
     ap.add_argument("--save-every", type=int, default=d["save_every"], help="updates between checkpoints "
@@ -115,6 +121,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.offload_activations and not args.activation_checkpointing:
         fail("--offload-activations offloads the checkpointed block inputs: add "
              "--activation-checkpointing")
+    if args.delayed_update_warmup < 0:
+        fail(f"--delayed-update-warmup must be >= 0, got {args.delayed_update_warmup}")
     if args.stop_after is not None and args.stop_after < 1:
         fail(f"--stop-after must be at least 1, got {args.stop_after}")
     if args.warmup_steps < 0 or args.eval_every < 0 or args.save_every < 0:
@@ -162,6 +170,9 @@ def engine_config(args: argparse.Namespace, device: torch.device):
         base["activation_checkpointing"] = True
     if args.offload_activations:
         base["offload_activations"] = True
+    if args.delayed_update:
+        base["delayed_update"] = True
+        base["delayed_update_warmup"] = args.delayed_update_warmup
     base["grad_accum_steps"] = args.batch_size // (args.micro_batch_size or args.batch_size)
     base["device"] = str(device)
     base["device_budget"] = args.gpu_memory or base.get("device_budget")
@@ -390,7 +401,8 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
                "time": {k: getattr(rep, k) for k in ("forward_s", "backward_s", "grad_wait_s",
                                                       "cpu_step_s", "io_wait_s", "upload_s")}}
         if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
-            row["eval_loss"] = evaluate(model, data, micro, device)
+            with engine.latest_weights():  # a pending delayed update's, trajectory unchanged
+                row["eval_loss"] = evaluate(model, data, micro, device)
         history.append({k: row[k] for k in ("step", "loss") if k in row} |
                        ({"eval_loss": row["eval_loss"]} if "eval_loss" in row else {}))
         metrics.write(json.dumps(row) + "\n")

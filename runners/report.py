@@ -55,12 +55,10 @@ class Banner:
         if cfg.activation_checkpointing:
             lines.append("  activations checkpointed per block (recomputed in backward)"
                          + ("; checkpointed inputs kept in host RAM" if cfg.offload_activations else ""))
-        overlap = cfg.overlap_step and cfg.grad_clip == 0 and cfg.dtype != "fp16"
-        lines.append("  CPU step  " + ("overlapped with backward: each block steps as its gradients land"
-                                       if overlap else "after backward" + (
-                                           " (clipping needs the global gradient norm first)"
-                                           if cfg.grad_clip > 0 else " (the fp16 overflow check needs "
-                                           "every gradient first)" if cfg.dtype == "fp16" else "")))
+        path, why = cfg.step_path()
+        lines.append("  CPU step  " + {"overlapped": "overlapped with backward: ",
+                                       "delayed": "one step delayed: ",
+                                       "after": "after backward: "}[path] + why)
         if self.choice:
             lines.append(f"  planner   {self.choice}")
         lines += ["  " + line for line in self.plan.format().splitlines()]

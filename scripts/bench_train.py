@@ -3,7 +3,8 @@ split (forward, backward, gradient offload wait, CPU step, IO wait, weight uploa
 stepped during backward (overlap) and bytes per link. Medians over --steps timed updates after
 one warm-up. Modes: offload none / cpu / nvme (clipping on: the step waits for every gradient),
 the same without clipping (the CPU step overlapped with backward), and weights streamed from
-host RAM / NVMe (ZeRO-Infinity) with and without the overlapped step.
+host RAM / NVMe (ZeRO-Infinity) with and without the overlapped step, and the one-step
+delayed update with clipping (the whole step hidden behind the next forward and backward).
 
     python scripts/bench_train.py                       # ~100M Llama ("small"), fp32, CPU
     python scripts/bench_train.py --model tiny --steps 3 --modes cpu nvme
@@ -32,7 +33,10 @@ import offload  # noqa: E402
 from offload.config import OffloadConfig, format_bytes  # noqa: E402
 from offload.models import build_model, num_params, preset  # noqa: E402
 
-SPLIT = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s")
+# overlap_wait: what the update waited for steps run on the step thread (the overlapped
+# blocks, or the previous update's delayed step); their own cpu_step / upload time is hidden
+SPLIT = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s",
+         "overlap_wait_s")
 
 
 # name -> engine options. "clip" rows clip gradients (the step must wait for every gradient);
@@ -49,6 +53,10 @@ MODES = {
                         activation_checkpointing=True),
     "stream-nvme-noov": dict(offload="nvme", offload_params="nvme", grad_clip=0.0,
                              activation_checkpointing=True, overlap_step=False),
+    # one-step delayed update: the whole CPU step runs during the next forward and backward,
+    # clipping included (compare with the "cpu" / "nvme" rows, which clip after backward)
+    "cpu+delayed": dict(offload="cpu", grad_clip=1.0, delayed_update=True),
+    "nvme+delayed": dict(offload="nvme", grad_clip=1.0, delayed_update=True),
 }
 
 

@@ -47,10 +47,10 @@ def test_loss_falls_on_the_builtin_corpus(tmp_path, capsys):
     assert {"step", "loss", "lr", "tokens_per_s", "time"} <= set(rows[0])
 
 
-@pytest.mark.parametrize("mode", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("mode", ["none", "cpu", "nvme", "nvme --delayed-update --grad-clip 1"])
 def test_resume_is_exact(mode, tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    common = FAST + ["--offload", mode]
+    common = FAST + ["--offload"] + mode.split()
     assert main(common + ["--output", full]) == 0
     assert main(common + ["--output", part, "--stop-after", "10"]) == 0  # interrupted at 10
     assert main(common + ["--output", part, "--resume", part]) == 0

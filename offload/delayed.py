@@ -1,0 +1,142 @@
+"""One-step delayed parameter update (ZeRO-Offload's DPU): the CPU step of update t runs on the
+engine's step thread while the micro-batches of update t+1 go through forward and backward.
+
+The overlapped step in engine.py steps each block as its gradients land, which keeps the math
+of the plain loop but is only possible when nothing global is needed first (no clipping, no
+fp16 overflow check). The delayed update overlaps the *whole* step with everything, whatever
+the math needs, at a price the user opts into: the gradients of update t+1 are computed on the
+weights from before update t (one step stale), as in DeepSpeed's delayed parameter update.
+
+The order, per optimizer update (what `DelayedUpdate.step` does in `engine.step()`):
+  1. wait for update t-1's job and make its weights live: the block's parameters are re-pointed
+     at the buffers the job wrote (the next forward reads them), the old ones become the next
+     job's output buffers — two device copies of the 16-bit weights, swapped, never copied;
+  2. clip / overflow-check update t's gradients (they have all landed);
+  3. hand update t's gradient set to a job and switch gradient landing to the second set, so
+     the next backward never writes what the job reads;
+  4. return: forward and backward of update t+1 run on update t-1's weights meanwhile.
+So update t+1's forward sees the weights of update t-1, and the update applied after it uses
+gradients taken there: exactly the reference loop in tests/test_delayed.py.
+
+Anything that looks at state waits for the job first (`join`). A checkpoint saved while an
+update is pending holds the masters (which include it) and the weights in use beside them, so
+a resumed run computes with the same stale weights and makes the update live at the same step
+as the run that went on. `Engine.latest_weights()` lets an evaluation see the newest weights
+without changing the trajectory. The first `delayed_update_warmup` updates are synchronous.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from offload.blocks import bind_views
+
+if TYPE_CHECKING:
+    from offload.engine import Engine, StepReport
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on `t`'s memory (same offset, shape, strides) with a fresh version counter."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+class DelayedUpdate:
+    def __init__(self, engine: "Engine"):
+        assert all(f is not None for f in engine.flat16), "delayed_update needs resident weights"
+        self.engine = engine
+        # the job's output: a second device copy of every block's 16-bit weights
+        self.shadow = [torch.empty_like(f) for f in engine.flat16]
+        for f in self.shadow:
+            engine.account.add("device", "weights", f.numel() * f.element_size())
+        engine.grads.add_second_set()
+        self._job: tuple[Future, "StepReport"] | None = None
+
+    def active(self) -> bool:
+        """Past the warm-up: this update is delayed."""
+        return self.engine.global_step >= self.engine.cfg.delayed_update_warmup
+
+    def step(self, rep: "StepReport", t_step: float, before: dict[str, int]) -> bool:
+        e = self.engine
+        self.apply(rep)
+        grad_scale, norm = e._grad_scale()
+        rep.loss_scale, rep.grad_norm = e.loss_scale, norm
+        if grad_scale is None:  # fp16 overflow: this update is skipped, nothing is submitted
+            rep.applied = False
+            e._finish_report(rep, t_step, before)
+            return False
+        grads = e.grads.swap_sets()  # the next backward lands in the other set
+        e._begin_update(grad_scale)  # step number, lr and grad scale are fixed here
+        job_rep = type(rep)()
+        self._job = (e._step_thread.submit(self._run, grads, job_rep), job_rep)
+        rep.delayed = True
+        e._finish_report(rep, t_step, before)
+        return True
+
+    def _run(self, grads: list[torch.Tensor], rep: "StepReport") -> None:
+        """On the step thread: every block stepped from `grads` into the shadow weights."""
+        e = self.engine
+        # _upload_target / _upload write the new weights to e._weights_out: the shadow buffers
+        # while this job runs (the main thread reads e.flat16 meanwhile), the live ones otherwise.
+        # They are written through aliases with version counters of their own: a parameter
+        # keeps the version counter it was born with (`.data =` does not replace it), and one
+        # born as a view of a buffer shares that buffer's, so writing the buffer itself would
+        # "modify" live parameters that autograd saved in this very forward.
+        e._weights_out = [_alias(t) for t in self.shadow]
+        try:
+            for bi in e._step_order():
+                e._step_block(bi, rep, grads[bi])
+            # no compute-stream wait from this thread: apply() orders the compute stream after
+            # the uploads, on the main thread, when the weights go live
+            e._finish_update(rep, sync_compute=False)
+        finally:
+            e._weights_out = e.flat16
+
+    @property
+    def pending(self) -> bool:
+        """An update whose weights are not live yet (its job may still run)."""
+        return self._job is not None
+
+    def mark_pending(self) -> None:
+        """Resume: the shadow buffers hold an update's weights that the saved run had not made
+        live yet; the next step() does, as it would have."""
+        done: Future = Future()
+        done.set_result(None)
+        self._job = (done, type(self.engine.last_report)())
+
+    def join(self) -> None:
+        """Wait for the pending job (re-raising its failure); its weights stay pending."""
+        if self._job is not None:
+            self._job[0].result()
+
+    def apply(self, rep: "StepReport") -> None:
+        """Wait for the pending job and make its weights the ones the model computes with."""
+        if self._job is None:
+            return
+        e = self.engine
+        t0 = time.perf_counter()
+        fut, job_rep = self._job
+        self._job = None
+        fut.result()
+        rep.overlap_wait_s += time.perf_counter() - t0
+        # the job's own split, hidden behind this update's forward and backward
+        rep.cpu_step_s += job_rep.cpu_step_s
+        rep.upload_s += job_rep.upload_s
+        rep.overlapped_blocks = len(e.blocks)
+        e.flat16, self.shadow = self.shadow, e.flat16
+        e._weights_out = e.flat16
+        for bi, block in enumerate(e.blocks):
+            bind_views(block, e.flat16[bi], e.module)
+        if e.cuda:
+            # the next forward's kernels must see the uploads: the compute stream waits for the
+            # H2D stream (a GPU-side wait, no host sync)
+            torch.cuda.current_stream(e.device).wait_stream(e.h2d_stream)
+
+    def drop(self) -> None:
+        """Forget the pending job after waiting for it (load_state overwrites everything)."""
+        self.join()
+        self._job = None
