@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +31,9 @@ from torch import nn
 from offload.activations import ActivationStore, enable_activation_checkpointing
 from offload.blocks import bind_views, gather_flat, group_blocks, move_frozen_and_buffers
 from offload.config import ConfigError, OffloadConfig, as_config
+from offload import engine_state
 from offload.delayed import DelayedUpdate
+from offload.engine_state import StateError
 from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
@@ -41,10 +41,6 @@ from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_repor
                            peak_rss_bytes, return_large_frees_to_os)
 from offload.train_plan import grad_pool_buffers, plan_training
 from offload.train_stream import TrainingStreamer
-
-
-class StateError(RuntimeError):
-    """A saved training state cannot be restored into this engine."""
 
 
 @dataclass
@@ -569,115 +565,19 @@ class Engine:
             for bi, block in enumerate(self.blocks):
                 bind_views(block, self.flat16[bi], self.module)
 
-    # -- checkpoints ------------------------------------------------------------------------
-    def _layout(self) -> list[dict[str, Any]]:
-        return [{"name": b.name, "numel": b.numel,
-                 "params": [[s.name, list(s.shape)] for s in b.slots]} for b in self.blocks]
-
+    # -- checkpoints (offload/engine_state.py) --------------------------------------------
     def state_meta(self) -> dict[str, Any]:
         """Everything besides the tensors that a resumed run needs to continue exactly."""
-        return {"format": "offload-engine-state", "version": 1, "global_step": self.global_step,
-                "micro_step": self.micro_step, "loss_scale": self.loss_scale,
-                "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left,
-                "skipped_steps": self.skipped_steps, "lr": self.lr, "dtype": self.cfg.dtype,
-                "delayed_pending": self.delayed is not None and self.delayed.pending,
-                "layout": self._layout()}
+        return engine_state.state_meta(self)
 
     def save_state(self, directory: str) -> None:
-        """Write masters, moments and counters into `directory` (one safetensors file per block,
-        each written atomically, then engine_state.json last: a directory whose json exists is
-        complete). Only whole updates are saved: call at an accumulation boundary."""
-        from nvme.format import write_file
-
-        if self.micro_step % self.cfg.grad_accum_steps:
-            raise RuntimeError("save_state in the middle of gradient accumulation; save after the "
-                               "step() that applied an update")
-        # A delayed update whose weights are not live yet is saved as it is: the masters
-        # already include it and the weights in use are saved beside them ("live"), so the
-        # resumed run computes with the same stale weights as the run that goes on.
-        self._join_delayed()
-        pending = self.delayed is not None and self.delayed.pending
-        os.makedirs(directory, exist_ok=True)
-        for bi, block in enumerate(self.blocks):
-            tensors = self.optimizer_state(bi)
-            if pending:
-                tensors["live"] = self.flat16[bi].cpu()
-            write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
-                       tensors, {"block": block.name})
-        tmp = os.path.join(directory, "engine_state.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.state_meta(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, "engine_state.json"))
+        """Write masters, moments and counters into `directory` (atomically, json last). Only
+        whole updates are saved: call at an accumulation boundary."""
+        engine_state.save_state(self, directory)
 
     def load_state(self, directory: str) -> None:
         """Restore what save_state wrote; refuses a state saved from a different model."""
-        from nvme.format import FormatError, SafetensorsFile
-
-        meta_path = os.path.join(directory, "engine_state.json")
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except FileNotFoundError:
-            raise StateError(f"{directory}: no engine_state.json — not a saved training state "
-                             f"(or the save was interrupted)") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise StateError(f"{meta_path}: unreadable ({e})") from None
-        if not isinstance(meta, dict) or meta.get("format") != "offload-engine-state":
-            raise StateError(f"{meta_path}: not an offload engine state")
-        if self.delayed is not None:
-            self.delayed.drop()  # everything below overwrites what the pending job produced
-        if meta.get("layout") != self._layout():
-            raise StateError(f"{directory}: the saved state is for a different model (its "
-                             f"parameter names or shapes differ from this model's); resume with "
-                             f"the model it was saved from or start a fresh run")
-        for key, kind in (("global_step", int), ("micro_step", int), ("clean_steps", int),
-                          ("hysteresis_left", int), ("skipped_steps", int),
-                          ("loss_scale", (int, float)), ("lr", (int, float))):
-            value = meta.get(key)
-            if isinstance(value, bool) or not isinstance(value, kind) or (
-                    isinstance(value, float) and not math.isfinite(value)) or value < 0:
-                raise StateError(f"{meta_path}: {key!r} is missing or not a valid number "
-                                 f"({value!r}); the saved state is damaged — resume from "
-                                 f"another checkpoint")
-        pending = meta.get("delayed_pending", False)
-        if not isinstance(pending, bool):
-            raise StateError(f"{meta_path}: 'delayed_pending' must be true or false, got "
-                             f"{pending!r}; the saved state is damaged — resume from another "
-                             f"checkpoint")
-        for bi, block in enumerate(self.blocks):
-            path = os.path.join(directory, f"block-{bi:05d}.safetensors")
-            try:
-                with SafetensorsFile(path) as f:
-                    values = {k: f.read(k) for k in ("master", "exp_avg", "exp_avg_sq")}
-                    live = f.read("live") if pending else None
-            except (FormatError, KeyError, OSError) as e:
-                raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
-            for kind, t in values.items():
-                if t.shape != (block.numel,) or t.dtype != torch.float32:
-                    raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
-                                     f"expected ({block.numel},) float32")
-                self.state.load(bi, kind, t)
-            if live is not None and (live.shape != (block.numel,) or live.dtype != self.dtype):
-                raise StateError(f"{path}: live weights have shape {tuple(live.shape)} {live.dtype}, "
-                                 f"expected ({block.numel},) {self.dtype}")
-            if bi in self.layer_of:  # 16-bit weights follow the masters, in their tier
-                self.streaming.load_weights(self.layer_of[bi], values["master"].to(self.dtype))
-            elif live is not None and self.delayed is not None:
-                # the saved run was computing with the weights from before its last update
-                self.flat16[bi].copy_(live)
-                self.delayed.shadow[bi].copy_(values["master"])
-            else:  # not delayed now: the pending update simply goes live
-                self.flat16[bi].copy_(values["master"])
-        self.global_step, self.micro_step = meta["global_step"], meta["micro_step"]
-        self.loss_scale, self._clean_steps = meta["loss_scale"], meta["clean_steps"]
-        self._hysteresis_left, self.skipped_steps = meta["hysteresis_left"], meta["skipped_steps"]
-        self.lr = meta["lr"]
-        if pending and self.delayed is not None:
-            self.delayed.mark_pending()  # the next step() makes the masters' weights live
-        if isinstance(self.state, NvmeState):
-            self.state.end_step(self._unit_order(), self.global_step)
+        engine_state.load_state(self, directory)
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes per tier by kind (weights, masters, moments, grads, buffers), with peaks, plus

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import json
 import os
 import sys
 import threading
@@ -139,8 +138,8 @@ def test_disk_full_during_a_checkpoint_save(tmp_path, monkeypatch, capsys, refer
     def second_save(path):  # the save of update 4, while the one of update 2 exists
         return path.startswith(os.path.realpath(ckpt) + ".tmp") and os.path.isdir(ckpt)
     disk = FullDisk(second_save, skip=skip).install(monkeypatch)
-    line = _fails_cleanly(capsys, ARGS + ["--output", out], "No space left on device",
-                          "saving the checkpoint to", "is intact")
+    _fails_cleanly(capsys, ARGS + ["--output", out], "No space left on device",
+                   "saving the checkpoint to", "is intact")
     assert disk.failed
     disk.heal()
     assert _checkpoint_step(out) == 2

@@ -10,7 +10,6 @@ import math
 import os
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

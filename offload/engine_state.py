@@ -1,0 +1,137 @@
+"""Saving and restoring the engine's training state: masters, Adam moments and counters.
+
+One safetensors file per block (written atomically), then `engine_state.json` last, so a
+directory whose json exists is complete. Everything read back is validated (layout against
+this model, counters, shapes and dtypes) and refused in one line that says what to do. A
+delayed update still pending at the save is saved as it is (offload/delayed.py): the weights
+in use go beside the masters, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import nvme.format as nvme_format  # write_file looked up per call: fault injection replaces it
+from nvme.format import FormatError, SafetensorsFile
+from offload.optstate import NvmeState
+
+if TYPE_CHECKING:
+    from offload.engine import Engine
+
+
+class StateError(RuntimeError):
+    """A saved training state cannot be restored into this engine."""
+
+
+def layout(engine: "Engine") -> list[dict[str, Any]]:
+    return [{"name": b.name, "numel": b.numel,
+             "params": [[s.name, list(s.shape)] for s in b.slots]} for b in engine.blocks]
+
+
+def state_meta(engine: "Engine") -> dict[str, Any]:
+    """Everything besides the tensors that a resumed run needs to continue exactly."""
+    return {"format": "offload-engine-state", "version": 1, "global_step": engine.global_step,
+            "micro_step": engine.micro_step, "loss_scale": engine.loss_scale,
+            "clean_steps": engine._clean_steps, "hysteresis_left": engine._hysteresis_left,
+            "skipped_steps": engine.skipped_steps, "lr": engine.lr, "dtype": engine.cfg.dtype,
+            "delayed_pending": engine.delayed is not None and engine.delayed.pending,
+            "layout": layout(engine)}
+
+
+def save_state(engine: "Engine", directory: str) -> None:
+    """Write masters, moments and counters into `directory` (one safetensors file per block,
+    each written atomically, then engine_state.json last: a directory whose json exists is
+    complete). Only whole updates are saved: call at an accumulation boundary."""
+    if engine.micro_step % engine.cfg.grad_accum_steps:
+        raise RuntimeError("save_state in the middle of gradient accumulation; save after the "
+                           "step() that applied an update")
+    # A delayed update whose weights are not live yet is saved as it is: the masters
+    # already include it and the weights in use are saved beside them ("live"), so the
+    # resumed run computes with the same stale weights as the run that goes on.
+    engine._join_delayed()
+    pending = engine.delayed is not None and engine.delayed.pending
+    os.makedirs(directory, exist_ok=True)
+    for bi, block in enumerate(engine.blocks):
+        tensors = engine.optimizer_state(bi)
+        if pending:
+            tensors["live"] = engine.flat16[bi].cpu()
+        nvme_format.write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
+                   tensors, {"block": block.name})
+    tmp = os.path.join(directory, "engine_state.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(state_meta(engine), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, "engine_state.json"))
+
+
+def load_state(engine: "Engine", directory: str) -> None:
+    """Restore what save_state wrote; refuses a state saved from a different model."""
+    meta_path = os.path.join(directory, "engine_state.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise StateError(f"{directory}: no engine_state.json — not a saved training state "
+                         f"(or the save was interrupted)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise StateError(f"{meta_path}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != "offload-engine-state":
+        raise StateError(f"{meta_path}: not an offload engine state")
+    if engine.delayed is not None:
+        engine.delayed.drop()  # everything below overwrites what the pending job produced
+    if meta.get("layout") != layout(engine):
+        raise StateError(f"{directory}: the saved state is for a different model (its "
+                         f"parameter names or shapes differ from this model's); resume with "
+                         f"the model it was saved from or start a fresh run")
+    for key, kind in (("global_step", int), ("micro_step", int), ("clean_steps", int),
+                      ("hysteresis_left", int), ("skipped_steps", int),
+                      ("loss_scale", (int, float)), ("lr", (int, float))):
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind) or (
+                isinstance(value, float) and not math.isfinite(value)) or value < 0:
+            raise StateError(f"{meta_path}: {key!r} is missing or not a valid number "
+                             f"({value!r}); the saved state is damaged — resume from "
+                             f"another checkpoint")
+    pending = meta.get("delayed_pending", False)
+    if not isinstance(pending, bool):
+        raise StateError(f"{meta_path}: 'delayed_pending' must be true or false, got "
+                         f"{pending!r}; the saved state is damaged — resume from another "
+                         f"checkpoint")
+    for bi, block in enumerate(engine.blocks):
+        path = os.path.join(directory, f"block-{bi:05d}.safetensors")
+        try:
+            with SafetensorsFile(path) as f:
+                values = {k: f.read(k) for k in ("master", "exp_avg", "exp_avg_sq")}
+                live = f.read("live") if pending else None
+        except (FormatError, KeyError, OSError) as e:
+            raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
+        for kind, t in values.items():
+            if t.shape != (block.numel,) or t.dtype != torch.float32:
+                raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
+                                 f"expected ({block.numel},) float32")
+            engine.state.load(bi, kind, t)
+        if live is not None and (live.shape != (block.numel,) or live.dtype != engine.dtype):
+            raise StateError(f"{path}: live weights have shape {tuple(live.shape)} {live.dtype}, "
+                             f"expected ({block.numel},) {engine.dtype}")
+        if bi in engine.layer_of:  # 16-bit weights follow the masters, in their tier
+            engine.streaming.load_weights(engine.layer_of[bi], values["master"].to(engine.dtype))
+        elif live is not None and engine.delayed is not None:
+            # the saved run was computing with the weights from before its last update
+            engine.flat16[bi].copy_(live)
+            engine.delayed.shadow[bi].copy_(values["master"])
+        else:  # not delayed now: the pending update simply goes live
+            engine.flat16[bi].copy_(values["master"])
+    engine.global_step, engine.micro_step = meta["global_step"], meta["micro_step"]
+    engine.loss_scale, engine._clean_steps = meta["loss_scale"], meta["clean_steps"]
+    engine._hysteresis_left, engine.skipped_steps = meta["hysteresis_left"], meta["skipped_steps"]
+    engine.lr = meta["lr"]
+    if pending and engine.delayed is not None:
+        engine.delayed.mark_pending()  # the next step() makes the masters' weights live
+    if isinstance(engine.state, NvmeState):
+        engine.state.end_step(engine._unit_order(), engine.global_step)
