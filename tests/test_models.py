@@ -262,3 +262,37 @@ def test_small_row_projection_equals_linear(bias: bool) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         with torch.no_grad():  # a checkpointed training forward: nn.Linear exactly
             assert torch.equal(project(layer, x), layer(x))
+
+
+def test_head_projection_gradients_and_tied_peak() -> None:
+    """Training's vocabulary head gives nn.Linear's gradients (to fp32 rounding), and with a
+    tied embedding autograd sums the two vocab x hidden gradients in place: the backward's
+    peak is two such tensors, not three (measured in a fresh process)."""
+    from offload.models.llama import _HeadProjection
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 40, generator=g, requires_grad=True)
+    x = torch.randn(2, 5, 40, generator=g, requires_grad=True)
+    up = torch.randn(2, 5, 300, generator=g)
+    (_HeadProjection.apply(x, w) * up).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (torch.nn.functional.linear(x, w) * up).sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-6, atol=1e-6)
+    code = """
+import torch
+from offload.models.llama import _HeadProjection
+def hwm():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
+V, H = 65536, 1024
+w = torch.zeros(V, H, dtype=torch.bfloat16, requires_grad=True)
+ids = torch.randint(0, V, (1, 16))
+base = hwm()
+h = torch.nn.functional.embedding(ids, w)
+_HeadProjection.apply(h, w).float().sum().backward()
+print((hwm() - base) / (V * H * 2))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout) < 2.5  # nn.Linear's transposed-view gradient: 3.0
