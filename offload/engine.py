@@ -557,6 +557,8 @@ class Engine:
             yield
             return
         self.delayed.join()
+        if self.cuda:  # the job's uploads into those buffers ran on the H2D stream
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
         for bi, block in enumerate(self.blocks):
             bind_views(block, self.delayed.shadow[bi], self.module)
         try:

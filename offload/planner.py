@@ -290,14 +290,21 @@ def _check(plan: InferencePlan, force: str | None, dev_flag: str, host_flag: str
                           f"{host_flag} to at least {format_bytes(plan.host_need)}")
 
 
+IN_FLIGHT = 16
+
+
 # ---- link probe -----------------------------------------------------------------------------------
 def measure_links(device: torch.device, read_paths: list[str], seconds: float = 1.0,
-                  io: IOEngine | None = None, buffer_bytes: int = 64 << 20) -> Links:
+                  io: IOEngine | None = None, buffer_bytes: int = 64 << 20,
+                  read_ranges: list[tuple[str, int, int]] | None = None) -> Links:
     """~`seconds` of measurement: host->device copy bandwidth (pinned source on CUDA; memcpy on
-    CPU) and disk read bandwidth from `read_paths` (the checkpoint shards we will stream from,
-    O_DIRECT so the page cache cannot flatter it)."""
+    CPU) and disk read bandwidth, O_DIRECT so the page cache cannot flatter it, from
+    `read_ranges` ((path, offset, bytes): the bytes that will stream, when known) or else from
+    the start of `read_paths` (the checkpoint shards). Reading the very bytes that will stream
+    matters where something below us caches (a VM host's page cache): other bytes can be far
+    colder than the ones every decode step reads again."""
     h2d = _probe_copy(device, seconds / 3, buffer_bytes if device.type == "cuda" else buffer_bytes // 2)
-    disk, direct = _probe_disk(read_paths, 2 * seconds / 3, io, buffer_bytes)
+    disk, direct = _probe_disk(read_paths, 2 * seconds / 3, io, buffer_bytes, ranges=read_ranges)
     return Links(h2d_gbps=h2d, disk_gbps=disk, disk_direct=direct)
 
 
@@ -333,21 +340,30 @@ def disk_read_gbps(paths: list[str], io: IOEngine | None = None,
 
 
 def _probe_disk(paths: list[str], seconds: float, io: IOEngine | None,
-                nbytes: int, one_pass: bool = False) -> tuple[float, bool]:
-    paths = [p for p in paths if os.path.isfile(p) and os.path.getsize(p) >= ALIGN]
-    if not paths:
+                nbytes: int, one_pass: bool = False,
+                ranges: list[tuple[str, int, int]] | None = None) -> tuple[float, bool]:
+    if ranges:  # widened to whole 4 KiB pages, as the streamer reads them: all O_DIRECT
+        ranges = [(p, off // ALIGN * ALIGN,
+                   min(-(-(off + n) // ALIGN) * ALIGN, os.path.getsize(p) // ALIGN * ALIGN)
+                   - off // ALIGN * ALIGN)
+                  for p, off, n in ranges if n > 0 and os.path.isfile(p)]
+        ranges = [r for r in ranges if r[2] > 0]
+    if not ranges:
+        paths = [p for p in paths if os.path.isfile(p) and os.path.getsize(p) >= ALIGN]
+        ranges = [(p, 0, os.path.getsize(p) // ALIGN * ALIGN) for p in paths]
+    if not ranges:
         return 0.0, False
     own = io is None
     engine = io or IOEngine()
     try:
-        direct = engine.direct_supported(paths[0])
+        direct = engine.direct_supported(ranges[0][0])
         # Several requests in flight, like the streamer's block reads (one request at a time
         # would leave most IO threads idle and understate the disk).
-        in_flight, piece = 16, nbytes // 16 // ALIGN * ALIGN
+        in_flight, piece = IN_FLIGHT, nbytes // IN_FLIGHT // ALIGN * ALIGN
         buf = aligned_empty(in_flight * piece)
-        # Sequential through each file in turn, like the streamer reading block after block.
-        chunks = [(p, off, min(piece, size - off)) for p in paths
-                  for size in [os.path.getsize(p) // ALIGN * ALIGN] for off in range(0, size, piece)]
+        # Sequential through each range in turn, like the streamer reading block after block.
+        chunks = [(p, start + off, min(piece, n - off)) for p, start, n in ranges
+                  for off in range(0, n, piece)]
         pending: list = []
         done, t0, k = 0, time.perf_counter(), 0
         while True:

@@ -200,11 +200,6 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
     host_budget = min(cpu_budget, host_free) if cpu_budget else host_free
     dev_free = device_free_bytes(device)
     dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
-    shards = sorted({loc.path for loc in reader.locations.values()}) if reader else []
-    links = measure_links(device, shards, seconds=args.probe_seconds)
-    measured = links.disk_gbps > 0
-    if not measured:  # nothing to probe yet (a dry run before a preset's weights exist)
-        links = Links(links.h2d_gbps, float("nan"), links.disk_direct)
     plan = plan_inference(
         block_bytes=[block] * L, stored_block_bytes=stored,
         non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item,
@@ -216,6 +211,14 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         device_is_host=device.type != "cuda", mode=args.mode,
         force=None if args.weights == "auto" else args.weights, nvme_ahead=args.nvme_ahead,
         staging_needed=device.type == "cuda" or stored_dtype != dtype)
+    shards = sorted({loc.path for loc in reader.locations.values()}) if reader else []
+    # the disk is probed on the bytes that will stream (NVMe-resident blocks), when there are any
+    streamed = [(loc.path, loc.offset, loc.nbytes) for i in range(L) if plan.residency[i] == "nvme"
+                for loc in reader.block_locations(i)] if reader else []
+    links = measure_links(device, shards, seconds=args.probe_seconds, read_ranges=streamed or None)
+    measured = links.disk_gbps > 0
+    if not measured:  # nothing to probe yet (a dry run before a preset's weights exist)
+        links = Links(links.h2d_gbps, float("nan"), links.disk_direct)
     print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params, {L} blocks "
           f"of {format_bytes(block)} in {dtype_label(dtype)}) on {device}", file=sys.stderr)
     print(plan.describe(links if measured else None), file=sys.stderr)
