@@ -104,6 +104,10 @@ def test_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch):
     _bad(out + ["--batch-size", "16", "--micro-batch-size", "3"], capsys, "must divide")
     _bad(out + ["--offload", "cpu", "--offload-dir", str(tmp_path)], capsys, "only used with --offload nvme")
     _bad(out + ["--model", "nonexistent-preset"], capsys, "unknown preset")
+    _bad(out + ["--delayed-update", "--offload", "none"], capsys, "needs offload='cpu' or 'nvme'")
+    _bad(out + ["--delayed-update", "--offload", "cpu", "--offload-params", "cpu"], capsys,
+         "offload_params='none'")
+    _bad(out + ["--delayed-update-warmup", "-1"], capsys, "must be >= 0")
     import offload.train_plan as tp
     monkeypatch.setattr(tp, "disk_free_bytes", lambda path: 1024)
     _bad(out + ["--offload", "nvme"], capsys, "free disk space")
