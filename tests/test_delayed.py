@@ -198,3 +198,27 @@ def test_delayed_job_never_touches_live_parameters(tmp_path):
         assert max_rel_diff(engine.master_params(), ref_masters) == 0
     finally:
         engine.close()
+
+
+def test_damaged_delayed_state_is_refused_in_one_line(tmp_path):
+    """A saved state's pending-update flag must be a boolean, and a state that claims a pending
+    update must carry the weights that were in use."""
+    import json
+    from offload.engine import StateError
+    cfg = _cfg("cpu", tmp_path, delayed_update=True)
+    torch.manual_seed(0)
+    model = MLP(depth=2)
+    engine, _, _ = _train(model, mlp_batches(2), mlp_loss, cfg.replace(delayed_update=False))
+    engine.save_state(str(tmp_path / "s"))  # no pending update: no "live" tensors
+    engine.close()
+    meta_path = tmp_path / "s" / "engine_state.json"
+    meta = json.loads(meta_path.read_text())
+    fresh = offload.initialize(copy.deepcopy(model), cfg)
+    try:
+        for value, match in (("yes", "'delayed_pending' must be true or false"),
+                             (True, "cannot load block")):
+            meta_path.write_text(json.dumps(dict(meta, delayed_pending=value)))
+            with pytest.raises(StateError, match=match):
+                fresh.load_state(str(tmp_path / "s"))
+    finally:
+        fresh.close()
