@@ -126,6 +126,8 @@ class DelayedUpdate:
         # the job's own split, hidden behind this update's forward and backward
         rep.cpu_step_s += job_rep.cpu_step_s
         rep.upload_s += job_rep.upload_s
+        rep.hidden_cpu_step_s += job_rep.cpu_step_s
+        rep.hidden_upload_s += job_rep.upload_s
         rep.overlapped_blocks = len(e.blocks)
         e.flat16, self.shadow = self.shadow, e.flat16
         e._weights_out = e.flat16

@@ -54,7 +54,11 @@ class StepReport:
     upload_s: float = 0.0  # 16-bit weights host->device
     step_s: float = 0.0  # the whole engine.step() call that applied the update
     bytes: dict[str, int] = field(default_factory=dict)  # link -> bytes this update
-    overlap_wait_s: float = 0.0  # waiting at step() for blocks stepped during backward
+    overlap_wait_s: float = 0.0  # waiting at step() for work on the step thread
+    # the parts of cpu_step_s / upload_s that ran on the step thread, overlapped with forward
+    # and backward (so not in this update's wall time)
+    hidden_cpu_step_s: float = 0.0
+    hidden_upload_s: float = 0.0
     overlapped_blocks: int = 0  # blocks stepped while backward was still running
     delayed: bool = False  # this update's CPU step runs during the next forward and backward
     applied: bool = True
@@ -314,6 +318,7 @@ class Engine:
             self._overlap_jobs = None
             o = self._overlap_rep
             rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
+            rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
             self._finish_update(rep)
             self._finish_report(rep, t_step, before)
             return True

@@ -390,7 +390,8 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
         rep = engine.last_report
         tokens = args.batch_size * args.seq_len
         tokens_run += tokens
-        for k in ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s"):
+        for k in ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s",
+                  "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s"):
             totals[k] = totals.get(k, 0.0) + getattr(rep, k)
         for k, v in rep.bytes.items():
             totals["bytes_" + k] = totals.get("bytes_" + k, 0) + v
@@ -399,7 +400,9 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
                "lr": engine.lr, "tokens_per_s": tokens / dt, "step_s": dt, "applied": rep.applied,
                "loss_scale": rep.loss_scale, "grad_norm": rep.grad_norm,
                "time": {k: getattr(rep, k) for k in ("forward_s", "backward_s", "grad_wait_s",
-                                                      "cpu_step_s", "io_wait_s", "upload_s")}}
+                                                      "cpu_step_s", "io_wait_s", "upload_s",
+                                                      "overlap_wait_s", "hidden_cpu_step_s",
+                                                      "hidden_upload_s")}}
         if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
             with engine.latest_weights():  # a pending delayed update's, trajectory unchanged
                 row["eval_loss"] = evaluate(model, data, micro, device)

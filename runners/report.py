@@ -73,11 +73,16 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
                   eval_loss0: float | None, eval_final: float | None) -> str:
     """Time split, bytes per link, peak memory per tier — the run's own account."""
     step_s = max(totals.get("step_s", 0.0), 1e-9)
-    parts = [("forward", totals.get("forward_s", 0.0)), ("backward", totals.get("backward_s", 0.0)),
-             ("gradient offload wait", totals.get("grad_wait_s", 0.0)),
-             ("CPU optimizer step", totals.get("cpu_step_s", 0.0)),
-             ("optimizer-state IO wait", totals.get("io_wait_s", 0.0)),
-             ("weight upload", totals.get("upload_s", 0.0))]
+    t = lambda k: totals.get(k, 0.0)  # noqa: E731
+    hidden_step, hidden_upload = t("hidden_cpu_step_s"), t("hidden_upload_s")
+    # shares of the wall time: what ran on the main thread, and what it waited for; the step
+    # thread's own work (overlapped with forward/backward) is listed apart
+    parts = [("forward", t("forward_s")), ("backward", t("backward_s")),
+             ("gradient offload wait", t("grad_wait_s")),
+             ("CPU optimizer step", t("cpu_step_s") - hidden_step),
+             ("optimizer-state IO wait", t("io_wait_s")),
+             ("weight upload", t("upload_s") - hidden_upload),
+             ("waiting for the step thread", t("overlap_wait_s"))]
     other = step_s - sum(v for _, v in parts)
     lines = ["", f"summary: {tokens} tokens in {wall_s:.1f} s ({tokens / max(wall_s, 1e-9):.0f} tokens/s)"]
     if eval_loss0 is not None and eval_final is not None:
@@ -86,6 +91,9 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
     lines.append("  time split           seconds   share")
     for name, v in parts + [("other (data, eval-free loop)", other)]:
         lines.append(f"    {name:<28} {v:8.2f}  {100 * v / step_s:5.1f}%")
+    if hidden_step or hidden_upload:
+        lines.append(f"    on the step thread, hidden behind forward/backward: CPU step "
+                     f"{hidden_step:.2f} s, weight upload {hidden_upload:.2f} s")
     lines.append("  bytes per link       total       per update")
     updates = max(engine.global_step, 1)
     for link, label in (("d2h", "device->host (grads)"), ("h2d", "host->device (weights)"),
