@@ -222,3 +222,38 @@ def test_damaged_delayed_state_is_refused_in_one_line(tmp_path):
                 fresh.load_state(str(tmp_path / "s"))
     finally:
         fresh.close()
+
+
+def test_delayed_update_fp16_overflow_skips_and_still_applies_the_previous(tmp_path):
+    """fp16 with the delayed update: an overflowing window is skipped (state untouched, scale
+    halved) but the update before it still goes live on time."""
+    torch.manual_seed(0)
+    model = MLP()
+    engine = offload.initialize(model, _cfg("cpu", tmp_path, dtype="fp16", initial_scale_power=8,
+                                            delayed_update=True))
+    batches = mlp_batches(3)
+    try:
+        live0 = [p.detach().clone() for p in model.parameters()]
+        engine.backward(mlp_loss(model, batches[0]))
+        assert engine.step() and engine.last_report.delayed  # update 1 submitted, not live
+        assert all(torch.equal(a, p) for a, p in zip(live0, model.parameters()))
+        scale = engine.loss_scale
+        before = [engine.optimizer_state(i) for i in range(len(engine.blocks))]
+        victim = model.layers[1][0].weight
+        handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        engine.backward(mlp_loss(model, batches[1]))
+        assert engine.step() is False  # skipped ...
+        handle.remove()
+        # ... but update 1's weights went live, and nothing else changed
+        assert not all(torch.equal(a, p) for a, p in zip(live0, model.parameters()))
+        live1 = [p.detach().clone() for p in model.parameters()]
+        for b, a in zip(before, [engine.optimizer_state(i) for i in range(len(engine.blocks))]):
+            assert all(torch.equal(b[k], a[k]) for k in b)
+        assert engine.loss_scale == scale / 2 and engine.global_step == 1
+        engine.backward(mlp_loss(model, batches[2]))
+        assert engine.step() and engine.global_step == 2
+        assert all(torch.equal(a, p) for a, p in zip(live1, model.parameters()))  # 2 pending
+        engine.flush()
+        assert not all(torch.equal(a, p) for a, p in zip(live1, model.parameters()))
+    finally:
+        engine.close()
