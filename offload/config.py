@@ -367,18 +367,27 @@ def from_deepspeed(ds: Mapping[str, Any], **overrides: Any) -> OffloadConfig:
     return OffloadConfig(**out)
 
 
+def read_regular_file(path: str, max_bytes: int) -> bytes | None:
+    """The bytes of `path` when it is a regular file of at most `max_bytes`, else None (a FIFO,
+    a device like /dev/zero, a directory, something larger). OSError propagates."""
+    # O_NONBLOCK: a FIFO must not block the open; no effect on a regular file
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            return None
+        raw = f.read(max_bytes + 1)  # the file may have grown since fstat
+    return raw if len(raw) <= max_bytes else None
+
+
 def load_config_file(path: str) -> OffloadConfig:
     """A JSON file in our flat form or DeepSpeed's."""
     try:
-        # O_NONBLOCK: a FIFO must not block the open; no effect on a regular file
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_FILE_BYTES:
-                raise ConfigError(f"config file {path}: not a regular JSON file of at most "
-                                  f"{MAX_CONFIG_FILE_BYTES} bytes")
-            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
+        raw = read_regular_file(path, MAX_CONFIG_FILE_BYTES)
     except OSError as e:
         raise ConfigError(f"config file {path}: cannot read ({e.strerror})") from None
+    if raw is None:
+        raise ConfigError(f"config file {path}: not a regular JSON file of at most "
+                          f"{MAX_CONFIG_FILE_BYTES} bytes")
     try:
         d = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, 5000-digit integers

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import sys
 from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
-from offload.config import format_bytes
+from offload.config import format_bytes, read_regular_file
 from offload.generate import SamplingParams, check_prompts, generate
 from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
                             num_block_params, num_params, parameter_shapes, preset, save_pretrained)
@@ -116,14 +115,12 @@ def read_prompts(args, tokenizer, cfg: ModelConfig) -> list[list[int]]:
     texts = list(args.prompt)
     if args.prompt_file:
         try:
-            with open(args.prompt_file, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PROMPT_FILE_BYTES:
-                    raise RunnerError(f"--prompt-file {args.prompt_file}: not a regular text file "
-                                      f"of at most {format_bytes(MAX_PROMPT_FILE_BYTES)}")
-                raw = f.read(MAX_PROMPT_FILE_BYTES + 1)
+            raw = read_regular_file(args.prompt_file, MAX_PROMPT_FILE_BYTES)
         except OSError as e:
             raise RunnerError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+        if raw is None:
+            raise RunnerError(f"--prompt-file {args.prompt_file}: not a regular text file "
+                              f"of at most {format_bytes(MAX_PROMPT_FILE_BYTES)}")
         try:
             texts += [line for line in raw.decode().splitlines() if line.strip()]
         except UnicodeDecodeError as e:

@@ -119,6 +119,9 @@ def test_bad_input_is_one_line_exit_2(ckpt, tmp_path, capsys):
     _bad(["--model", "nosuchpreset"], capsys, "not a preset")
     _bad(["--model", ckpt, "--max-new-tokens", "0"], capsys, "--max-new-tokens")
     _bad(["--model", ckpt, "--weights", "gpu"], capsys, "invalid choice")
+    fifo = tmp_path / "prompts.fifo"  # no writer: opening it must not wait for one
+    os.mkfifo(fifo)
+    _bad(["--model", ckpt, "--prompt-file", fifo], capsys, "not a regular text file")
 
 
 def test_module_entry_point_default_preset(tmp_path):
