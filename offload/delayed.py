@@ -94,7 +94,7 @@ class DelayedUpdate:
             # the uploads, on the main thread, when the weights go live
             e._finish_update(rep, sync_compute=False)
         finally:
-            e._weights_out = e.flat16
+            e._weights_out = None
 
     @property
     def pending(self) -> bool:
@@ -130,7 +130,6 @@ class DelayedUpdate:
         rep.hidden_upload_s += job_rep.upload_s
         rep.overlapped_blocks = len(e.blocks)
         e.flat16, self.shadow = self.shadow, e.flat16
-        e._weights_out = e.flat16
         for bi, block in enumerate(e.blocks):
             bind_views(block, e.flat16[bi], e.module)
         if e.cuda:

@@ -187,7 +187,9 @@ class Engine:
             pool_buffers=grad_pool_buffers(cfg, len(self.blocks)),
             pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
         self.grads.attach()
-        self._weights_out = self.flat16  # where steps write 16-bit weights (delayed.py swaps it)
+        # where steps write 16-bit weights: None = the live buffers (flat16); a delayed job's
+        # spare buffers while it runs (delayed.py)
+        self._weights_out: list[torch.Tensor] | None = None
         self.delayed = DelayedUpdate(self) if path == "delayed" else None
 
         if self.cuda:
@@ -487,7 +489,7 @@ class Engine:
                 self._pending_io_s += time.perf_counter() - t0
             return self._weight_ring[r][:numel], ("nvme", r)
         if not self.cuda or self.cfg.offload == "none":
-            return self._weights_out[bi], ("direct", -1)
+            return (self._weights_out or self.flat16)[bi], ("direct", -1)
         r = k % len(self._upload_ring)
         done = self._upload_done[r]
         if done is not None:
@@ -499,7 +501,7 @@ class Engine:
         nbytes = out16.numel() * out16.element_size()
         if kind == "ring":
             with torch.cuda.stream(self.h2d_stream):
-                self._weights_out[bi].copy_(out16, non_blocking=True)
+                (self._weights_out or self.flat16)[bi].copy_(out16, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.h2d_stream)
             self._upload_done[r] = ev

@@ -189,12 +189,10 @@ class GradLanding:
     def add_second_set(self) -> None:
         """A second full set of landing buffers (the delayed update: a job steps from one set
         while the next backward lands in the other). Not with pooling."""
-        assert not self.pooled and all(t is not None for t in self.landing)
-        self._other = [torch.zeros_like(t) if t.device.type != "cpu" else
-                       host_zeros(t.numel(), t.dtype, self._pin_landing) for t in self.landing]
+        assert not self.pooled and all(t is not None and t.device.type == "cpu" for t in self.landing)
+        self._other = [host_zeros(t.numel(), t.dtype, self._pin_landing) for t in self.landing]
         for t in self._other:
-            self._account.add("host" if t.device.type == "cpu" else "device", "grads",
-                              t.numel() * t.element_size())
+            self._account.add("host", "grads", t.numel() * t.element_size())
 
     def swap_sets(self) -> list[torch.Tensor]:
         """Switch landing to the other set; returns the set just filled (call after wait())."""

@@ -290,9 +290,6 @@ def _check(plan: InferencePlan, force: str | None, dev_flag: str, host_flag: str
                           f"{host_flag} to at least {format_bytes(plan.host_need)}")
 
 
-IN_FLIGHT = 16
-
-
 # ---- link probe -----------------------------------------------------------------------------------
 def measure_links(device: torch.device, read_paths: list[str], seconds: float = 1.0,
                   io: IOEngine | None = None, buffer_bytes: int = 64 << 20,
@@ -342,12 +339,14 @@ def disk_read_gbps(paths: list[str], io: IOEngine | None = None,
 def _probe_disk(paths: list[str], seconds: float, io: IOEngine | None,
                 nbytes: int, one_pass: bool = False,
                 ranges: list[tuple[str, int, int]] | None = None) -> tuple[float, bool]:
-    if ranges:  # widened to whole 4 KiB pages, as the streamer reads them: all O_DIRECT
-        ranges = [(p, off // ALIGN * ALIGN,
-                   min(-(-(off + n) // ALIGN) * ALIGN, os.path.getsize(p) // ALIGN * ALIGN)
-                   - off // ALIGN * ALIGN)
-                  for p, off, n in ranges if n > 0 and os.path.isfile(p)]
-        ranges = [r for r in ranges if r[2] > 0]
+    pages = []  # ranges widened to whole 4 KiB pages, as the streamer reads them: all O_DIRECT
+    for p, off, n in ranges or ():
+        if n > 0 and os.path.isfile(p):
+            start = off // ALIGN * ALIGN
+            end = min(-(-(off + n) // ALIGN) * ALIGN, os.path.getsize(p) // ALIGN * ALIGN)
+            if end > start:
+                pages.append((p, start, end - start))
+    ranges = pages
     if not ranges:
         paths = [p for p in paths if os.path.isfile(p) and os.path.getsize(p) >= ALIGN]
         ranges = [(p, 0, os.path.getsize(p) // ALIGN * ALIGN) for p in paths]
@@ -359,7 +358,7 @@ def _probe_disk(paths: list[str], seconds: float, io: IOEngine | None,
         direct = engine.direct_supported(ranges[0][0])
         # Several requests in flight, like the streamer's block reads (one request at a time
         # would leave most IO threads idle and understate the disk).
-        in_flight, piece = IN_FLIGHT, nbytes // IN_FLIGHT // ALIGN * ALIGN
+        in_flight, piece = 16, nbytes // 16 // ALIGN * ALIGN
         buf = aligned_empty(in_flight * piece)
         # Sequential through each range in turn, like the streamer reading block after block.
         chunks = [(p, start + off, min(piece, n - off)) for p, start, n in ranges

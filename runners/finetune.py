@@ -26,6 +26,9 @@ from runners.common import Parser, fail, run_main, select_device, writable_dir
 DEFAULTS = dict(model="tiny", offload="cpu", dtype="fp32", steps=100, batch_size=16,
                 micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                 weight_decay=0.0, grad_clip=1.0, eval_every=50, save_every=0, seed=0)
+# the StepReport fields summed into the run's time split and logged per update
+TIME_KEYS = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s",
+             "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,8 +393,7 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
         rep = engine.last_report
         tokens = args.batch_size * args.seq_len
         tokens_run += tokens
-        for k in ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s",
-                  "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s"):
+        for k in TIME_KEYS:
             totals[k] = totals.get(k, 0.0) + getattr(rep, k)
         for k, v in rep.bytes.items():
             totals["bytes_" + k] = totals.get("bytes_" + k, 0) + v
@@ -399,10 +401,7 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
         row = {"step": engine.global_step, "loss": loss_sum * micro / args.batch_size,
                "lr": engine.lr, "tokens_per_s": tokens / dt, "step_s": dt, "applied": rep.applied,
                "loss_scale": rep.loss_scale, "grad_norm": rep.grad_norm,
-               "time": {k: getattr(rep, k) for k in ("forward_s", "backward_s", "grad_wait_s",
-                                                      "cpu_step_s", "io_wait_s", "upload_s",
-                                                      "overlap_wait_s", "hidden_cpu_step_s",
-                                                      "hidden_upload_s")}}
+               "time": {k: getattr(rep, k) for k in TIME_KEYS}}
         if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
             with engine.latest_weights():  # a pending delayed update's, trajectory unchanged
                 row["eval_loss"] = evaluate(model, data, micro, device)
