@@ -366,23 +366,27 @@ def _write_with_engine(engine, path: str, offset: int, tensors: Mapping[str, tor
     return total
 
 
-def write_json_atomic(path: str | os.PathLike, obj: object, *, indent: int = 1,
-                      sort_keys: bool = False) -> None:
-    """Write `obj` as JSON to `path` atomically: a temporary name `<path>.tmp.<pid>`, fsync,
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically: a temporary name `<path>.tmp.<pid>`, fsync,
     rename over `path`; the temporary is removed if anything fails, so `path` always holds
     either the old complete file or the new one."""
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=indent, sort_keys=sort_keys)
-            f.write("\n")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         _unlink_quiet(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: object, *, indent: int = 1,
+                      sort_keys: bool = False) -> None:
+    """`obj` as JSON, written like write_text_atomic."""
+    write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
 
 
 def _write_all(fd: int, buf: memoryview, path: str) -> int:

@@ -35,10 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="python -m runners.finetune", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = DEFAULTS
-    ap.add_argument("--model", default=d["model"], help="a Hugging Face checkpoint directory or a preset "
+    ap.add_argument("--model", default=d["model"], help="a Hugging Face checkpoint directory, a .gguf "
+                    "file (F32/F16/BF16/Q8_0/Q4_0/Q4_1, dequantized to fp32 once into a cache) or a preset "
                     "name (tiny, small, 1B, 3B, 7B, 8B, 13B, 70B, ...; presets start from random weights)")
-    ap.add_argument("--data", default=None, help="a .txt file, a .jsonl file ('text' or 'prompt'/'response' "
-                    "per line) or a directory of them; default: the built-in corpus")
+    ap.add_argument("--data", default=None, help="a .txt file, a .jsonl file (one example per line: "
+                    "'text', chat 'messages' or ShareGPT 'conversations', 'prompt'/'response', Alpaca "
+                    "'instruction'/'input'/'output'), a .json array of such examples, or a directory of "
+                    "them; chat and instruction examples go through the model's chat template, loss on "
+                    "the assistant's turns; default: the built-in corpus")
     ap.add_argument("--offload", choices=["none", "cpu", "nvme", "auto"], default=None,
                     help=f"where fp32 masters and Adam moments live (default {d['offload']}); auto: the "
                     "planner picks optimizer tier, weight tier, checkpointing and activation offload "
@@ -137,22 +141,14 @@ def check_args(args: argparse.Namespace) -> None:
 def _check_data_files(path: str) -> None:
     """--data must name regular files (a FIFO or a link to /dev/zero named *.txt would hang the
     reader or fill the memory); what they contain is checked when they are read."""
-    import stat
+    from offload.data import data_files
 
-    if os.path.isdir(path):
-        paths = [os.path.join(path, f) for f in sorted(os.listdir(path))
-                 if f.endswith((".txt", ".jsonl"))]
-    elif os.path.lexists(path):
-        paths = [path]
-    else:
-        return  # the data loader says it does not exist
-    for p in paths:
-        try:
-            regular = stat.S_ISREG(os.stat(p).st_mode)
-        except OSError as e:
-            fail(f"--data {p}: cannot read ({e.strerror})")
-        if not regular:
-            fail(f"--data {p}: not a regular file")
+    if os.path.lexists(path):  # else the data loader says it does not exist
+        for p in data_files(path):
+            try:
+                os.stat(p)
+            except OSError as e:
+                fail(f"--data {p}: cannot read ({e.strerror})")
 
 
 def engine_config(args: argparse.Namespace, device: torch.device):
@@ -192,17 +188,17 @@ def engine_config(args: argparse.Namespace, device: torch.device):
 
 
 def load_model(args: argparse.Namespace):
-    """(model on meta, its config, the source that fills it block by block, tokenizer)."""
-    from offload.data import ByteTokenizer
+    """(model on meta, its config, the source that fills it block by block, tokenizer).
+    A .gguf file is converted once into a Hugging Face directory in the cache (dequantized to
+    fp32, block by block) and read from there like any checkpoint."""
     from offload.models import CheckpointReader, build_model, preset, seeded_init
+    from offload.tokenizer import ByteTokenizer, load_tokenizer
 
-    if os.path.isdir(args.model):
-        reader = CheckpointReader(args.model)
+    path = resolve_checkpoint(args.model)
+    if path is not None:
+        reader = CheckpointReader(path)
         cfg, source = reader.config, reader
-        tok_path = os.path.join(args.model, "tokenizer.json")
-        tokenizer = _hf_tokenizer(tok_path) if os.path.exists(tok_path) else ByteTokenizer()
-    elif os.sep in args.model or args.model.startswith("."):
-        fail(f"--model {args.model}: no such directory (give a checkpoint directory or a preset name)")
+        tokenizer = load_tokenizer(path) or ByteTokenizer()
     else:
         cfg = preset(args.model)
         source = seeded_init(args.seed, cfg.initializer_range)
@@ -213,34 +209,21 @@ def load_model(args: argparse.Namespace):
     return build_model(cfg, device="meta"), cfg, source, tokenizer
 
 
-class _HFTokenizer:
-    def __init__(self, tok):
-        self._tok = tok
-        self.vocab_size = tok.get_vocab_size()
-        self.eos_id = self._special(("</s>", "<|end_of_text|>", "<|endoftext|>", "<|im_end|>"))
-        self.bos_id = self._special(("<s>", "<|begin_of_text|>"))
-
-    def _special(self, names):
-        for n in names:
-            i = self._tok.token_to_id(n)
-            if i is not None:
-                return i
-        return None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-
-def _hf_tokenizer(path: str):
-    from tokenizers import Tokenizer
-
-    try:
-        tok = _HFTokenizer(Tokenizer.from_file(path))
-    except Exception as e:  # the tokenizers library raises plain Exceptions for bad files
-        fail(f"{path}: cannot load tokenizer ({e})")
-    if tok.eos_id is None:
-        fail(f"{path}: no end-of-text token found; cannot separate documents")
-    return tok
+def resolve_checkpoint(model: str) -> str | None:
+    """The checkpoint directory --model names (a .gguf file converted into the cache first),
+    or None for a preset name."""
+    if os.path.isfile(model):
+        from offload.models.gguf import gguf_checkpoint_dir, is_gguf
+        if not is_gguf(model):
+            fail(f"--model {model}: a file, but not a GGUF model (give a .gguf file, a checkpoint "
+                 f"directory or a preset name)")
+        return gguf_checkpoint_dir(model, torch.float32)
+    if os.path.isdir(model):
+        return model
+    if os.sep in model or model.startswith("."):
+        fail(f"--model {model}: no such file or directory (give a checkpoint directory, a .gguf "
+             f"file or a preset name)")
+    return None
 
 
 class StopRequested:
@@ -264,15 +247,15 @@ class StopRequested:
 
 
 def evaluate(model, data, micro_batch: int, device: torch.device) -> float:
-    from offload.data import eval_batches, masked_lm_loss
+    from offload.data import masked_lm_loss
 
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids, mask in eval_batches(data, micro_batch):
-            ids, mask = ids.to(device), mask.to(device)
-            logits = model(ids[:, :-1])
-            n = int(mask.sum())
-            total += float(masked_lm_loss(logits, ids[:, 1:], mask)) * n
+        for batch in data.eval_batches(micro_batch):
+            batch = batch.to(device)
+            logits = model(batch.ids[:, :-1], **batch.model_inputs())
+            n = int(batch.mask.sum())
+            total += float(masked_lm_loss(logits, batch.ids[:, 1:], batch.mask)) * n
             count += n
     return total / max(count, 1)
 
@@ -281,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     import offload
     from offload.blocks import group_blocks
     from offload.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
-    from offload.data import BatchOrder, load_documents, pack, tokenize
+    from offload.data import BatchOrder, pack, tokenize_to_disk
     from offload.tiers import BudgetError
     from offload.train_plan import (choose_training_config, estimator_table,
                                     llama_activation_estimate, plan_training)
@@ -323,11 +306,11 @@ def run(args: argparse.Namespace) -> int:
              f"({trainer.get('model_config', {}).get('architectures')}, "
              f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
 
-    docs = load_documents(args.data)
-    ids, mask = tokenize(docs, tokenizer.encode, tokenizer.eos_id, getattr(tokenizer, "bos_id", None))
-    data = pack(ids, mask, args.seq_len)
-    order = BatchOrder(data.train_ids.shape[0], args.seed, trainer.get("data_position", 0))
-    if trainer and trainer.get("data_fingerprint") != [int(ids.numel()), int(ids[:4096].sum())]:
+    stream = tokenize_to_disk(args.data, tokenizer, os.path.join(args.output, "data"),
+                              vocab_size=model_cfg.vocab_size)
+    data = pack(stream, args.seq_len)
+    order = BatchOrder(data.num_train, args.seed, trainer.get("data_position", 0))
+    if trainer and trainer.get("data_fingerprint") != stream.fingerprint:
         fail(f"--resume {args.resume}: the data differs from the run that saved the checkpoint")
 
     torch.manual_seed(args.seed)
@@ -339,15 +322,15 @@ def run(args: argparse.Namespace) -> int:
     history: list[dict[str, Any]] = trainer.get("history", [])
     stop = StopRequested()
     try:
-        return _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
-                      stop, trainer, resume_dir, history)
+        return _train(args, engine, model, model_cfg, data, order, stream.fingerprint, tokenizer,
+                      micro, device, cfg, stop, trainer, resume_dir, history)
     finally:
         stop.restore()
         engine.close()  # also on errors: in-process callers must get the swap lock back
 
 
-def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg, stop, trainer,
-           resume_dir, history) -> int:
+def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, micro, device, cfg,
+           stop, trainer, resume_dir, history) -> int:
     from offload.checkpoint import rng_state, save_checkpoint
     from offload.data import masked_lm_loss
     from runners.report import summary_table, write_loss_plot
@@ -362,7 +345,7 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
     def checkpoint() -> str:
         state = {"step": engine.global_step, "data_position": order.position, "rng": rng_state(),
                  "history": history, "model_config": model_cfg.to_hf(),
-                 "data_fingerprint": [int(ids.numel()), int(ids[:4096].sum())],
+                 "data_fingerprint": fingerprint,
                  "eval_loss0": eval_loss0,
                  "args": {k: v for k, v in vars(args).items()}}
         return save_checkpoint(os.path.join(args.output, "checkpoint"), engine, model_cfg, state,
@@ -383,9 +366,9 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
         batch = order.take(args.batch_size)
         loss_sum = 0.0
         for i in range(0, args.batch_size, micro):
-            sel = batch[i:i + micro]
-            seq, tmask = data.train_ids[sel].to(device), data.train_mask[sel].to(device)
-            loss = masked_lm_loss(model(seq[:, :-1]), seq[:, 1:], tmask)
+            rows = data.batch(batch[i:i + micro]).to(device)
+            logits = model(rows.ids[:, :-1], **rows.model_inputs())
+            loss = masked_lm_loss(logits, rows.ids[:, 1:], rows.mask)
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().item()
@@ -433,7 +416,8 @@ def _train(args, engine, model, model_cfg, data, order, ids, micro, device, cfg,
         return 0
     final_model = os.path.join(args.output, "model")
     from offload.models import save_pretrained
-    save_pretrained(engine.iter_master_params(), final_model, config=model_cfg, dtype=export_dtype)
+    save_pretrained(engine.iter_master_params(), final_model, config=model_cfg, dtype=export_dtype,
+                    extra_files=tokenizer.files())
     eval_final = next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None)
     print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final))
     png = write_loss_plot(history, os.path.join(args.output, "loss.png"))

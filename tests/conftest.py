@@ -30,3 +30,12 @@ def smollm2_gguf() -> str:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"the real model could not be fetched here: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf) -> str:
+    """The real model as a Hugging Face directory (fp32), converted from the GGUF once and cached."""
+    import torch
+
+    from offload.models.gguf import gguf_checkpoint_dir
+    return gguf_checkpoint_dir(smollm2_gguf, torch.float32)

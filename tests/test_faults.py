@@ -293,12 +293,13 @@ def test_pinned_memory_is_capped_with_a_pageable_fallback(monkeypatch):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A real 10 MiB filesystem (tmpfs), where the root may mount one; skipped elsewhere."""
+    """A real 12 MiB filesystem (tmpfs), where the root may mount one; skipped elsewhere: room
+    for the tokenized corpus (1.5 MiB in OUTPUT/data) and one checkpoint, not two."""
     import subprocess
 
     mnt = tmp_path / "small-disk"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs",
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs",
                                             str(mnt)], capture_output=True).returncode != 0:
         pytest.skip("needs permission to mount a tmpfs")
     try:
@@ -308,7 +309,7 @@ def small_tmpfs(tmp_path):
 
 
 def test_a_really_full_disk(small_tmpfs, capsys, reference):
-    """No injection: the output goes to a 10 MiB filesystem. The first checkpoint fits, the
+    """No injection: the output goes to a 12 MiB filesystem. The first checkpoint fits, the
     second save (which needs room for both copies) runs out of space. After the disk is made
     bigger, the run resumes from the intact first checkpoint and ends as if nothing happened."""
     import subprocess

@@ -224,7 +224,7 @@ FINETUNE_CASES = {  # argv -> part of the one-line message
     "--cpu-memory 1KiB": (["--cpu-memory", "1KiB"], "host budget of 1.00 KiB"),
     "--gpu 0 without CUDA": (["--gpu", "0"], "--gpu 0"),
     "--model unknown": (["--model", "gpt5"], "unknown preset 'gpt5'"),
-    "--model missing dir": (["--model", "./nope"], "no such directory"),
+    "--model missing dir": (["--model", "./nope"], "no such file or directory"),
     "--config missing": (["--config", "/nonexistent.json"], "cannot read"),
     "--config /dev/zero": (["--config", "/dev/zero"], "not a regular JSON file"),
     "--metrics in a missing dir": (["--metrics", "/nonexistent/m.jsonl"], "does not exist"),

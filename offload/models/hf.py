@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from nvme.format import (FormatError, SafetensorsFile, fsync_dir, open_regular, write_file,
-                         write_json_atomic)
+                         write_json_atomic, write_text_atomic)
 from offload.models.config import (ConfigError, ModelConfig, block_parameter_shapes, block_prefix,
                                    parameter_shapes)
 from offload.models.llama import LlamaForCausalLM, build_model
@@ -350,12 +350,16 @@ def _shard_name(i: int, n: int) -> str:
 
 def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: ModelConfig | None = None,
                     dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    extra_files: Mapping[str, str | dict] | None = None) -> list[str]:
     """Write a Hugging Face checkpoint directory that `transformers` loads.
 
     source: our model, a state dict, or an iterable of (name, tensor) in checkpoint order
     (embeddings, layers 0..L-1, norm, lm_head) so a streamer can hand over one block at a time.
     dtype: convert every tensor to this dtype (default: keep each tensor's own).
+    extra_files: file name -> text or JSON object written beside the weights (the tokenizer's
+    files, `Tokenizer.files()`); a generation_config.json among them replaces the one derived
+    from the config (the source checkpoint's own says which ids end generation).
     Only one shard (<= max_shard_bytes) is held in memory at a time. Returns the files written."""
     path = os.fspath(path)
     if config is None:
@@ -428,10 +432,21 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
     generation = {k: v for k, v in (("bos_token_id", config.bos_token_id),
                                      ("eos_token_id", config.to_hf()["eos_token_id"]),
                                      ("pad_token_id", config.pad_token_id)) if v is not None}
+    extra = dict(extra_files or {})
+    generation = {**generation, **extra.pop("generation_config.json", {})}
     if generation:
         gen_path = os.path.join(path, "generation_config.json")
         _write_json(gen_path, generation)
         written.append(gen_path)
+    for name, content in extra.items():
+        if name not in AUX_FILES:
+            raise CheckpointError(f"save_pretrained: {name!r} is not a tokenizer or generation file")
+        target = os.path.join(path, name)
+        if isinstance(content, str):
+            write_text_atomic(target, content)
+        else:
+            _write_json(target, content)
+        written.append(target)
     for stale in previous_shards - {os.path.basename(w) for w in written}:
         if os.path.isfile(os.path.join(path, stale)):  # shards of an earlier save, now unreferenced
             os.unlink(os.path.join(path, stale))

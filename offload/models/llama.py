@@ -294,13 +294,15 @@ class KVCache:
 
 
 def attention_mask_for(batch_size: int, num_new: int, start: int, attention_mask: torch.Tensor | None,
-                       sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+                       sliding_window: int | None, device: torch.device,
+                       document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """The boolean mask [B, 1, T, S] (True = may attend) for T new queries at positions
     start..start+T-1 over S = start + T keys, or None when SDPA's own causal flag (or no mask,
-    for a single query) is exact."""
+    for a single query) is exact. document_ids [B, T] (packed training rows, no cache): a query
+    sees only keys of its own document."""
     total = start + num_new
     windowed = sliding_window is not None and total > sliding_window
-    if attention_mask is None and not windowed and (start == 0 or num_new == 1):
+    if attention_mask is None and document_ids is None and not windowed and (start == 0 or num_new == 1):
         return None
     q_pos = torch.arange(start, total, device=device)[:, None]  # [T, 1]
     k_pos = torch.arange(total, device=device)[None, :]  # [1, S]
@@ -313,6 +315,8 @@ def attention_mask_for(batch_size: int, num_new: int, start: int, attention_mask
         # A left-pad query may see no key at all, which makes SDPA return NaN; let every query
         # see itself. Real tokens already do, so their outputs are unchanged.
         allowed = allowed | (k_pos == q_pos)
+    if document_ids is not None:  # block-diagonal: packed documents do not see each other
+        allowed = allowed & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
     return allowed
 
 
@@ -332,9 +336,13 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg)
 
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden states [B, T, H]."""
         B, T = input_ids.shape
+        if document_ids is not None and (kv_cache is not None or tuple(document_ids.shape) != (B, T)):
+            raise ValueError(f"document_ids must be [batch, tokens] = [{B}, {T}] and is for packed "
+                             f"training rows (no KV cache); got {list(document_ids.shape)}")
         start = kv_cache.length if kv_cache is not None else 0
         total = start + T
         if kv_cache is not None and (kv_cache.batch_size != B or total > kv_cache.max_len):
@@ -351,7 +359,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, D]
         mask = attention_mask_for(B, T, start, attention_mask, self.config.sliding_window,
-                                  input_ids.device)
+                                  input_ids.device, document_ids)
         for i, layer in enumerate(self.layers):
             kv = kv_cache.layer(i) if kv_cache is not None else None
             hidden = layer(hidden, cos, sin, mask, kv, start)
@@ -371,15 +379,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] ([B, 1, V] with last_only, which skips the vocab
         matmul for every prompt position but the last during prefill).
 
         position_ids [B, T]: defaults to counting from the cache length, or from each row's
         first real token when an attention_mask [B, past + T] of 1/0 (left padding) is given.
-        kv_cache: read for past positions, written for the new ones, its length advanced."""
+        kv_cache: read for past positions, written for the new ones, its length advanced.
+        document_ids [B, T]: packed training rows; tokens attend only within their document
+        (give position_ids restarting at each document with it)."""
         hidden = self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            kv_cache=kv_cache)
+                            kv_cache=kv_cache, document_ids=document_ids)
         if last_only:
             hidden = hidden[:, -1:]
         return head_projection(self.lm_head, hidden)
