@@ -4,6 +4,7 @@ cache, meta building and block-by-block materialisation, Hugging Face checkpoint
 from offload.models.config import (ARCHITECTURES, PRESETS, ConfigError, ModelConfig,
                                    block_parameter_shapes, num_block_params, num_params,
                                    parameter_shapes, preset)
+from offload.models.gguf import GGUFError, GGUFReader, convert_gguf, gguf_checkpoint_dir, is_gguf
 from offload.models.hf import (CheckpointError, CheckpointReader, TensorLocation, load_model,
                                save_pretrained)
 from offload.models.llama import (DecoderLayer, KVCache, LlamaForCausalLM, build_model,
@@ -14,6 +15,7 @@ from offload.models.llama import (DecoderLayer, KVCache, LlamaForCausalLM, build
 __all__ = [
     "ARCHITECTURES", "PRESETS", "ConfigError", "ModelConfig", "block_parameter_shapes",
     "num_block_params", "num_params", "parameter_shapes", "preset",
+    "GGUFError", "GGUFReader", "convert_gguf", "gguf_checkpoint_dir", "is_gguf",
     "CheckpointError", "CheckpointReader", "TensorLocation", "load_model", "save_pretrained",
     "DecoderLayer", "KVCache", "LlamaForCausalLM", "build_model", "init_parameter_",
     "kv_cache_bytes", "materialize_block", "materialize_non_block", "release_block",
