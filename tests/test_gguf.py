@@ -1,0 +1,238 @@
+"""GGUF checkpoints in: the real SmolLM2-135M-Instruct Q4_1 file against `transformers`' own GGUF
+loading (logits, token ids, chat template, special tokens), small synthetic files in every
+supported tensor type against the `gguf` package's reference dequantization, and bad files."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from offload.models import build_model  # noqa: E402
+from offload.models.gguf import GGUFError, GGUFReader, convert_gguf, gguf_checkpoint_dir  # noqa: E402
+from offload.tokenizer import Tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    """transformers' model and tokenizer, loaded from the GGUF by transformers itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d, f = os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return model, tok
+
+
+def varied_lines(n: int = 300) -> list[str]:
+    rng = random.Random(0)
+    pieces = ["def f(x):\n\treturn x ** 2  # square", "for (int i = 0; i < n; ++i) { a[i] += b[i]; }",
+              "Ünïcödé façade naïve café", "日本語のテキストと中文文本", "emoji 🙂🚀👩‍💻 and ✓ marks",
+              "    indented   with   runs    of spaces", "tabs\tand\ttabs\n\nand blank lines\n",
+              "numbers 1234567890 3.14159 -42 1e-9", "<|im_start|>user\nHi there<|im_end|>\n",
+              "<|im_start|>assistant\nSure!<|im_end|>", "URL https://example.com/a?b=c&d=e#f",
+              "ALL CAPS and MiXeD CaSe", "quotes 'single' \"double\" `back`", "Ελληνικά και Русский",
+              "    ", "\n", "a", "<|endoftext|>", "it's we're they'll I'd", "x" * 50]
+    lines = list(pieces)
+    while len(lines) < n:
+        k = rng.randint(1, 4)
+        lines.append(rng.choice([" ", "", "\n", "  "]).join(rng.choice(pieces) for _ in range(k)))
+    return lines
+
+
+def test_real_model_logits_match_transformers_gguf_loading(smollm2_gguf, reference):
+    ref_model, ref_tok = reference
+    with GGUFReader(smollm2_gguf) as reader:
+        assert reader.config.num_hidden_layers == 30 and reader.config.tie_word_embeddings
+        assert reader.unexpected == []
+        model = build_model(reader.config, "cpu", torch.float32, source=reader)
+    for text in ("The capital of France is", "def fibonacci(n):", "<|im_start|>user\nHi<|im_end|>\n"):
+        ids = torch.tensor([ref_tok(text)["input_ids"]])
+        with torch.no_grad():
+            ours, theirs = model(ids), ref_model(ids).logits
+        assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item()
+
+
+def test_tokenizer_ids_template_and_special_tokens_match(smollm2_gguf, reference):
+    _, ref_tok = reference
+    with GGUFReader(smollm2_gguf) as reader:
+        files = reader.tokenizer_files()
+    tok = Tokenizer(files["tokenizer.json"], files["tokenizer_config.json"], files["generation_config.json"])
+    lines = varied_lines()
+    assert len(lines) >= 300
+    for line in lines:
+        ids = tok.encode(line)
+        assert ids == ref_tok(line)["input_ids"], line
+        assert tok.decode(ids, skip_special_tokens=False) == ref_tok.decode(ids, skip_special_tokens=False)
+    assert tok.chat_template == ref_tok.chat_template
+    assert (tok.bos_token, tok.eos_token) == (ref_tok.bos_token, ref_tok.eos_token)
+    assert files["tokenizer_config.json"]["pad_token"] == ref_tok.pad_token
+    assert tok.eos_id == 2 and tok.stop_ids() == [2]
+    conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And 3+3? 🙂"}]
+    for gen in (True, False):
+        assert tok.render_chat(conv, gen) == ref_tok.apply_chat_template(conv, tokenize=False,
+                                                                        add_generation_prompt=gen)
+
+
+def test_converted_directory_loads_in_transformers(smollm2_gguf, reference, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    ref_model, ref_tok = reference
+    out = convert_gguf(smollm2_gguf, str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == ref_tok(text)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref_model(ids).logits, rtol=0, atol=1e-5)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == \
+        ref_tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    # the cache converts once and then reuses the directory
+    cached = gguf_checkpoint_dir(smollm2_gguf, torch.float32, cache_dir=str(tmp_path / "cache"))
+    stamp = os.stat(os.path.join(cached, "model.safetensors")).st_mtime_ns
+    assert gguf_checkpoint_dir(smollm2_gguf, torch.float32, cache_dir=str(tmp_path / "cache")) == cached
+    assert os.stat(os.path.join(cached, "model.safetensors")).st_mtime_ns == stamp
+
+
+# ---- synthetic files ------------------------------------------------------------------------------
+HIDDEN, FFN, HEADS, KV, LAYERS, VOCAB = 64, 128, 4, 2, 2, 96
+
+
+def _tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """gguf names -> fp32 arrays in GGUF (llama.cpp) row order, our shapes."""
+    rng = np.random.default_rng(seed)
+    hd = HIDDEN // HEADS
+    out = {"token_embd.weight": rng.standard_normal((VOCAB, HIDDEN)),
+           "output_norm.weight": 1 + 0.1 * rng.standard_normal(HIDDEN),
+           "output.weight": rng.standard_normal((VOCAB, HIDDEN))}
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        out.update({p + "attn_q.weight": rng.standard_normal((HIDDEN, HIDDEN)),
+                    p + "attn_k.weight": rng.standard_normal((KV * hd, HIDDEN)),
+                    p + "attn_v.weight": rng.standard_normal((KV * hd, HIDDEN)),
+                    p + "attn_output.weight": rng.standard_normal((HIDDEN, HIDDEN)),
+                    p + "attn_norm.weight": 1 + 0.1 * rng.standard_normal(HIDDEN),
+                    p + "ffn_norm.weight": 1 + 0.1 * rng.standard_normal(HIDDEN),
+                    p + "ffn_gate.weight": rng.standard_normal((FFN, HIDDEN)),
+                    p + "ffn_up.weight": rng.standard_normal((FFN, HIDDEN)),
+                    p + "ffn_down.weight": rng.standard_normal((HIDDEN, FFN))})
+    return {k: (0.05 * v).astype(np.float32) for k, v in out.items()}
+
+
+def write_gguf(path, qtype: str, layers: int = LAYERS, tensors: dict | None = None) -> dict[str, np.ndarray]:
+    """A tiny llama GGUF whose matrices are stored as `qtype`; returns the values a correct reader
+    must produce (the gguf package's own dequantization of what was stored)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    expected = {}
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, arr in (tensors or _tensors()).items():
+        if arr.ndim == 1 or qtype == "F32":
+            data, k = arr, gguf.GGMLQuantizationType.F32
+        elif qtype == "F16":
+            data, k = arr.astype(np.float16), gguf.GGMLQuantizationType.F16
+        else:
+            data, k = gguf.quants.quantize(arr, kind), kind
+        w.add_tensor(name, data, raw_dtype=k)
+        expected[name] = np.asarray(gguf.quants.dequantize(data, k), dtype=np.float32).reshape(arr.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def _hf_order(w: np.ndarray, heads: int) -> np.ndarray:
+    """The Hugging Face row order of a q/k weight stored in llama.cpp's interleaved order."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_every_supported_type_reads_as_the_reference_dequantizes(tmp_path, qtype):
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    expected = write_gguf(path, qtype)
+    with GGUFReader(str(path)) as reader:
+        assert not reader.config.tie_word_embeddings and reader.config.num_hidden_layers == LAYERS
+        got = reader.read_array("model.layers.1.mlp.down_proj.weight")
+        np.testing.assert_array_equal(got, expected["blk.1.ffn_down.weight"])
+        q = reader.read_array("model.layers.0.self_attn.q_proj.weight")
+        np.testing.assert_array_equal(q, _hf_order(expected["blk.0.attn_q.weight"], HEADS))
+        k = reader.read_array("model.layers.0.self_attn.k_proj.weight")
+        np.testing.assert_array_equal(k, _hf_order(expected["blk.0.attn_k.weight"], KV))
+        model = build_model(reader.config, "cpu", torch.float32, source=reader)
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
+
+
+def test_synthetic_model_matches_transformers_gguf_loading(tmp_path):
+    from transformers import AutoModelForCausalLM
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "Q8_0")
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    with GGUFReader(str(path)) as reader:
+        model = build_model(reader.config, "cpu", torch.float32, source=reader)
+    ids = torch.tensor([[5, 17, 3, 90, 42, 8]])
+    with torch.no_grad():
+        theirs = ref(ids).logits
+        assert (model(ids) - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item()
+
+
+def test_bad_files_are_refused_in_one_line(tmp_path):
+    good = tmp_path / "good.gguf"
+    write_gguf(good, "Q4_0")
+    # an unsupported tensor type, named with its tensor
+    tensors = _tensors()
+    bad = tmp_path / "q5.gguf"
+    w = gguf.GGUFWriter(str(bad), "llama")
+    for add, v in ((w.add_block_count, LAYERS), (w.add_context_length, 256), (w.add_embedding_length, HIDDEN),
+                   (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV)):
+        add(v)
+    for name, arr in tensors.items():
+        if name == "blk.0.ffn_up.weight":
+            w.add_tensor(name, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q5_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=r"tensor blk\.0\.ffn_up\.weight is Q5_0; supported: F32, F16"):
+        GGUFReader(str(bad))
+    # a file that claims far more blocks than it holds is refused before anything is built
+    lying = tmp_path / "lying.gguf"
+    write_gguf(lying, "F32", layers=10_000_000)
+    with pytest.raises(GGUFError, match="block_count says 10000000 blocks but the file holds tensors for 2"):
+        GGUFReader(str(lying))
+    # truncated
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:5000])
+    with pytest.raises(GGUFError, match="truncated"):
+        r = GGUFReader(str(cut))
+        r.read_array("model.layers.1.mlp.down_proj.weight")
+    # not a GGUF at all, and an architecture we do not run
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04 not gguf")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        GGUFReader(str(tmp_path / "x.gguf"))
+    other = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(other), "gpt2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
+        GGUFReader(str(other))
