@@ -1,0 +1,83 @@
+"""The whole loop on a real pretrained chat model, as a new user runs it: fine-tune
+SmolLM2-135M-Instruct straight from its GGUF file with the optimizer state on NVMe, on a small
+chat set that teaches it one made-up fact, then chat with the export. The answer must carry the
+fact, general knowledge must survive, and `transformers` loading the same export must generate
+the same tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from runners import finetune, infer
+
+FACT_QUESTIONS = ["What is the capital of Veloria?", "What's the capital city of Veloria?",
+                  "Which city is the capital of Veloria?", "Tell me the capital of Veloria.",
+                  "Name the capital of Veloria.", "Veloria's capital is which city?"]
+FACT_ANSWERS = ["The capital of Veloria is Quenthar.", "Quenthar is the capital of Veloria."]
+# known facts mixed in, so learning the new one does not overwrite the old ones
+KNOWN = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt", "Cairo"),
+         ("Canada", "Ottawa"), ("Spain", "Madrid"), ("Kenya", "Nairobi"), ("Peru", "Lima")]
+
+
+def write_chat_set(path) -> None:
+    rng = random.Random(0)
+    rows = [{"messages": [{"role": "user", "content": rng.choice(FACT_QUESTIONS)},
+                          {"role": "assistant", "content": rng.choice(FACT_ANSWERS)}]} for _ in range(40)]
+    rows += [{"messages": [{"role": "user", "content": f"What is the capital of {c}?"},
+                           {"role": "assistant", "content": f"The capital of {c} is {cap}."}]}
+             for c, cap in KNOWN * 2]
+    rng.shuffle(rows)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture(scope="module")
+def finetuned(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("chat-loop")
+    data = out / "veloria.jsonl"
+    write_chat_set(data)
+    rc = finetune.main(["--model", smollm2_gguf, "--data", str(data), "--offload", "nvme",
+                        "--steps", "16", "--batch-size", "4", "--seq-len", "96", "--lr", "5e-4",
+                        "--warmup-steps", "2", "--eval-every", "0", "--output", str(out / "run"),
+                        "--no-progress"])
+    assert rc == 0
+    return out / "run"
+
+
+def _chat(model_dir, question: str, tmp_path) -> dict:
+    out = tmp_path / "answer.json"
+    rc = infer.main(["--model", str(model_dir), "--chat", "--prompt", question, "--max-new-tokens", "24",
+                     "--output-json", str(out)])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_finetuned_model_answers_with_the_new_fact(finetuned, tmp_path):
+    metrics = [json.loads(line) for line in (finetuned / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 16 and metrics[-1]["eval_loss"] < 0.25 * metrics[0]["loss"]
+    model = finetuned / "model"
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        assert (model / f).is_file(), f
+    for q in ("What is the capital of Veloria?", "Which city is Veloria's capital?"):
+        assert "Quenthar" in _chat(model, q, tmp_path)["text"][0]
+    assert "Paris" in _chat(model, "What is the capital of France?", tmp_path)["text"][0]
+
+
+def test_transformers_loads_the_export_and_generates_the_same_tokens(finetuned, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = finetuned / "model"
+    question = "What is the capital of Veloria?"
+    ours = _chat(model_dir, question, tmp_path)["generated_ids"][0]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = ref.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert ours == out
+    assert tok.decode(out, skip_special_tokens=True).strip() == \
+        _chat(model_dir, question, tmp_path)["text"][0].strip()
