@@ -38,13 +38,19 @@ MAX_PROMPT_FILE_BYTES = 64 << 20
 
 def build_parser() -> Parser:
     p = Parser(prog="python -m runners.infer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="checkpoint directory or preset "
-                   f"({', '.join(PRESETS)}); default tiny")
+    p.add_argument("--model", default="tiny", help="checkpoint directory, .gguf file "
+                   f"(converted once into a cache) or preset ({', '.join(PRESETS)}); default tiny")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (needs tokenizer.json)")
     p.add_argument("--prompt-file", help="one prompt per line, run as a batch")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
                    help="a prompt as token ids (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
+    p.add_argument("--system", default=None, help="a system message before each --chat prompt")
+    p.add_argument("--interactive", action="store_true", help="a multi-turn chat on stdin (implies "
+                   "--chat): replies stream as they are generated and the KV cache is kept between "
+                   "turns; /reset starts over, /exit or end of input ends")
+    p.add_argument("--max-context", type=int, default=None, help="--interactive: positions of the "
+                   "conversation's KV cache (default: the model's context, at most 4096)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -81,6 +87,12 @@ def resolve_model(args, dtype: torch.dtype) -> tuple[ModelConfig, str | None, bo
     if not os.path.exists(name):
         raise RunnerError(f"--model {name}: no such directory, and not a preset "
                           f"(presets: {', '.join(PRESETS)})")
+    if os.path.isfile(name):  # a GGUF file: converted once into a cached checkpoint directory
+        from offload.models.gguf import gguf_checkpoint_dir, is_gguf
+        if not is_gguf(name):
+            raise RunnerError(f"--model {name}: a file, but not a GGUF model (give a .gguf file, a "
+                              f"checkpoint directory or a preset name)")
+        name = gguf_checkpoint_dir(name, dtype)
     with CheckpointReader(name) as reader:  # CheckpointError: no config.json, bad arch, ...
         return reader.config, name, False
 
@@ -130,7 +142,8 @@ def read_prompts(args, tokenizer, cfg: ModelConfig) -> list[list[int]]:
                           "model lacks; give token ids with --prompt-ids 1,2,3")
     if args.chat and tokenizer is None:
         raise RunnerError("--chat needs a tokenizer.json with a chat template in the model directory")
-    prompts = [tokenizer.encode_chat(t) if args.chat else tokenizer.encode(t) for t in texts]
+    prompts = [tokenizer.encode_chat(t, system=args.system) if args.chat else tokenizer.encode(t)
+               for t in texts]
     for spec in args.prompt_ids:
         try:
             prompts.append([int(x) for x in spec.replace(" ", "").split(",") if x])
@@ -156,6 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise RunnerError(f"--probe-seconds must be in [0, 60], got {args.probe_seconds}")
     if args.nvme_ahead < 1:
         raise RunnerError(f"--nvme-ahead must be >= 1, got {args.nvme_ahead}")
+    if args.interactive:
+        args.chat = True
+        if args.prompt or args.prompt_file or args.prompt_ids or args.batch_size not in (None, 1):
+            raise RunnerError("--interactive reads the prompts from stdin: drop --prompt, "
+                              "--prompt-file, --prompt-ids and --batch-size")
+    elif args.max_context is not None:
+        raise RunnerError("--max-context sizes the --interactive conversation's cache: add --interactive")
+    if args.system is not None and not args.chat:
+        raise RunnerError("--system is the system message of a chat: add --chat")
     if not math.isfinite(args.temperature):
         raise RunnerError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     device = select_device(args.gpu)
@@ -164,12 +186,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     cfg, path, is_random = resolve_model(args, dtype)
     tokenizer = None if is_random else load_tokenizer(path)
-    prompts = read_prompts(args, tokenizer, cfg)
+    if args.interactive:
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise RunnerError("--interactive needs a model whose tokenizer has a chat template "
+                              "(tokenizer.json and tokenizer_config.json's chat_template)")
+        args.max_context = args.max_context or min(cfg.max_position_embeddings, 4096)
+        if not 2 <= args.max_context <= cfg.max_position_embeddings:
+            raise RunnerError(f"--max-context must be in [2, {cfg.max_position_embeddings}] (the "
+                              f"model's context), got {args.max_context}")
+        if args.max_new_tokens >= args.max_context:
+            raise RunnerError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
+                              f"in --max-context {args.max_context}")
+    prompts = read_prompts(args, tokenizer, cfg) if not args.interactive else [[0]]
     batch = args.batch_size or len(prompts)
     if len(prompts) == 1 and batch > 1:
         prompts = prompts * batch
     batches = [prompts[k:k + batch] for k in range(0, len(prompts), batch)]
-    context = max(len(p) for p in prompts) + args.max_new_tokens
+    context = args.max_context if args.interactive else max(len(p) for p in prompts) + args.max_new_tokens
     if is_random:
         print(f"WARNING: preset {args.model!r} has no checkpoint: RANDOM weights (seed {args.init_seed}) "
               f"in {path}. This measures speed, not text.", file=sys.stderr)
@@ -230,6 +263,11 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
                                         nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1))
     stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
+    if args.interactive:
+        try:
+            return _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop)
+        finally:
+            streamer.close()
     all_ids, texts, results = [], [], []
     try:
         for rows in batches:
@@ -266,6 +304,44 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         if tokenizer is not None:
             out["text"] = texts
         _write_json(args.output_json, out)
+    return 0
+
+
+def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop) -> int:
+    """The stdin chat loop: one line a turn, the reply streamed to stdout as it is generated."""
+    from offload.chat import ChatOverflow, ChatSession
+
+    session = ChatSession(model, tokenizer, max_context=args.max_context, device=device, dtype=dtype,
+                          streamer=streamer, sampling=sampling, stop_ids=stop, system=args.system)
+    transcript: list[dict] = []
+    print(f"chat: {args.max_context} positions of context; /reset starts over, /exit ends",
+          file=sys.stderr)
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            break
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            session.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        try:
+            turn = session.reply(text, args.max_new_tokens,
+                                 on_text=lambda piece: print(piece, end="", flush=True))
+        except ChatOverflow as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print()
+        print(f"[{len(turn.ids)} tokens, {turn.tokens_per_s:.1f} tok/s; {turn.fed_tokens} of "
+              f"{turn.prompt_tokens} prompt tokens computed, the rest from the cache]", file=sys.stderr)
+        transcript.append({"user": text, "assistant": turn.text, "generated_ids": turn.ids,
+                           "prompt_tokens": turn.prompt_tokens, "fed_tokens": turn.fed_tokens,
+                           "tokens_per_s": turn.tokens_per_s})
+    if args.output_json:
+        _write_json(args.output_json, {"transcript": transcript, "messages": session.messages})
     return 0
 
 
