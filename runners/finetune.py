@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                     help=f"weights/gradients dtype on the device (default {d['dtype']})")
     ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
-    ap.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per update")
+    ap.add_argument("--batch-size", type=int, default=None, help=f"sequences per update (default "
+                    f"{d['batch_size']}, or a DeepSpeed --config's train_batch_size)")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward/backward; "
                     "gradient accumulation = batch-size / micro-batch-size (default: batch-size)")
     ap.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens per sequence")
@@ -110,11 +111,9 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> 
 
 def check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "seq_len"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    mb = args.batch_size if args.micro_batch_size is None else args.micro_batch_size
-    if mb < 1 or mb > args.batch_size or args.batch_size % mb:
-        fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
+    _check_batch(args)
     if not 0 <= args.seed < 2**63:  # torch and the data order take 64-bit seeds
         fail(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.metrics is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
@@ -138,6 +137,32 @@ def check_args(args: argparse.Namespace) -> None:
         fail(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
 
 
+def _check_batch(args: argparse.Namespace) -> None:
+    if args.batch_size is None:
+        return  # the config file or the default decides (engine_config), then checks again
+    mb = args.batch_size if args.micro_batch_size is None else args.micro_batch_size
+    if mb < 1 or mb > args.batch_size or args.batch_size % mb:
+        fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
+
+
+def _config_batch(args: argparse.Namespace, base: dict) -> None:
+    """Batch sizes from a DeepSpeed config (train_micro_batch_size_per_gpu, the accumulation
+    steps) where the flags give none; where both give them they must agree."""
+    micro = base.pop("micro_batch_size", None)
+    if micro is not None:
+        total = micro * base.get("grad_accum_steps", 1)
+        flags = (args.batch_size, args.micro_batch_size or args.batch_size)
+        if args.batch_size is None:
+            args.batch_size, args.micro_batch_size = total, args.micro_batch_size or micro
+        elif flags != (total, micro):
+            fail(f"--batch-size {flags[0]} / micro-batch {flags[1]} disagree with --config "
+                 f"{args.config} (train_batch_size {total}, train_micro_batch_size_per_gpu {micro}); "
+                 f"drop the flags or the config's batch keys")
+    if args.batch_size is None:
+        args.batch_size = DEFAULTS["batch_size"]
+    _check_batch(args)
+
+
 def _check_data_files(path: str) -> None:
     """--data must name regular files (a FIFO or a link to /dev/zero named *.txt would hang the
     reader or fill the memory); what they contain is checked when they are read."""
@@ -153,9 +178,17 @@ def _check_data_files(path: str) -> None:
 
 def engine_config(args: argparse.Namespace, device: torch.device):
     """The config file (if any) as the base, explicit flags over it, defaults under both."""
-    from offload.config import OffloadConfig, load_config_file
+    from offload.config import AutoValues, OffloadConfig, load_config_file
 
-    base = load_config_file(args.config).to_dict() if args.config else {}
+    mb = args.micro_batch_size or args.batch_size
+    auto = AutoValues(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                      dtype=args.dtype, micro_batch_size=mb,
+                      grad_accum_steps=args.batch_size // mb if args.batch_size else None)
+    notes: list[str] = []
+    base = load_config_file(args.config, auto=auto, notes=notes).to_dict() if args.config else {}
+    for note in notes:  # DeepSpeed keys accepted but without effect here: never silently
+        print(f"note: {note}", file=sys.stderr)
+    _config_batch(args, base)
     explicit = {"offload": args.offload, "dtype": args.dtype, "lr": args.lr,
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip}
     for key, value in explicit.items():

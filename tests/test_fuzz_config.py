@@ -157,11 +157,31 @@ DEEPSPEED_CASES = {
     "optimizer SGD": ({"optimizer": {"type": "SGD"}}, "'SGD' is not supported"),
     "adam_w_mode false": ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}},
                           "only AdamW"),
-    "offload device gpu": ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+    "offload device gpu": ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
                            "offload_optimizer.device: 'gpu'"),
     "unknown zero key": ({"zero_optimization": {"stage3_magic": 1}}, "unknown key(s) 'stage3_magic'"),
     "section a list": ({"aio": [1]}, "aio: must be a dict"),
-    "'auto' values": ({"gradient_clipping": "auto"}, "grad_clip: must be a finite number"),
+    "'auto' path": ({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "auto"}}}, '"auto" cannot be resolved here'),
+    "'auto' device": ({"zero_optimization": {"stage": 3, "offload_param": {"device": "auto"}}},
+                      '"auto" cannot be resolved here'),
+    "offload_param device disk": ({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}},
+                                  "offload_param.device: 'disk'"),
+    "offload_param without stage 3": ({"zero_optimization": {"stage": 2, "offload_param": {
+        "device": "cpu"}}}, "offload_param needs stage 3"),
+    "offload_optimizer at stage 0": ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+                                     "needs stage 1, 2 or 3"),
+    "two nvme paths": ({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/a"}, "offload_param": {"device": "nvme", "nvme_path": "/b"}}},
+        "nvme_path differ"),
+    "partial offload": ({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "ratio": 0.3}}}, "partial optimizer offload"),
+    "gds": ({"aio": {"use_gds": True}}, "GPUDirect Storage is not supported"),
+    "batch sizes disagree": ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                              "gradient_accumulation_steps": 4}, "fix one of them"),
+    "batch not a multiple": ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+                             "not a multiple"),
+    "stage 4": ({"zero_optimization": {"stage": 4}}, "stage: 4 is not one of"),
 }
 
 
