@@ -22,6 +22,7 @@ class Banner:
     def render(self) -> str:
         a, cfg, m = self.args, self.cfg, self.model_cfg
         source = (f"checkpoint {a.model}" if os.path.isdir(a.model)
+                  else f"GGUF checkpoint {a.model} (dequantized to fp32)" if os.path.isfile(a.model)
                   else f"preset {a.model!r}, random init (seed {a.seed})")
         why_device = (f"--gpu {a.gpu}" if a.gpu is not None else
                       "no --gpu given" + (" (a GPU is visible: add --gpu 0 to use it)"

@@ -13,9 +13,9 @@ import pytest
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _fetcher():
-    spec = importlib.util.spec_from_file_location("fetch_smollm2",
-                                                  os.path.join(_ROOT, "scripts", "fetch_smollm2.py"))
+def load_script(name: str):
+    """A module of scripts/ (they are programs, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_ROOT, "scripts", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -23,7 +23,7 @@ def _fetcher():
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
-    fetcher = _fetcher()
+    fetcher = load_script("fetch_smollm2")
     try:
         return fetcher.fetch(quiet=True)
     except RuntimeError as e:

@@ -6,44 +6,31 @@ the same tokens."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import random
 
 import pytest
 import torch
 
+from conftest import load_script
 from runners import finetune, infer
-
-FACT_QUESTIONS = ["What is the capital of Veloria?", "What's the capital city of Veloria?",
-                  "Which city is the capital of Veloria?", "Tell me the capital of Veloria.",
-                  "Name the capital of Veloria.", "Veloria's capital is which city?"]
-FACT_ANSWERS = ["The capital of Veloria is Quenthar.", "Quenthar is the capital of Veloria."]
-# known facts mixed in, so learning the new one does not overwrite the old ones
-KNOWN = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt", "Cairo"),
-         ("Canada", "Ottawa"), ("Spain", "Madrid"), ("Kenya", "Nairobi"), ("Peru", "Lima")]
-
-
-def write_chat_set(path) -> None:
-    rng = random.Random(0)
-    rows = [{"messages": [{"role": "user", "content": rng.choice(FACT_QUESTIONS)},
-                          {"role": "assistant", "content": rng.choice(FACT_ANSWERS)}]} for _ in range(40)]
-    rows += [{"messages": [{"role": "user", "content": f"What is the capital of {c}?"},
-                           {"role": "assistant", "content": f"The capital of {c} is {cap}."}]}
-             for c, cap in KNOWN * 2]
-    rng.shuffle(rows)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @pytest.fixture(scope="module")
 def finetuned(smollm2_gguf, tmp_path_factory):
     out = tmp_path_factory.mktemp("chat-loop")
     data = out / "veloria.jsonl"
-    write_chat_set(data)
-    rc = finetune.main(["--model", smollm2_gguf, "--data", str(data), "--offload", "nvme",
-                        "--steps", "16", "--batch-size", "4", "--seq-len", "96", "--lr", "5e-4",
-                        "--warmup-steps", "2", "--eval-every", "0", "--output", str(out / "run"),
-                        "--no-progress"])
+    load_script("make_chat_example").write(str(data))  # the README's example data
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = finetune.main(["--model", smollm2_gguf, "--data", str(data), "--offload", "nvme",
+                            "--steps", "16", "--batch-size", "4", "--seq-len", "96", "--lr", "5e-4",
+                            "--warmup-steps", "2", "--eval-every", "0", "--output", str(out / "run"),
+                            "--no-progress"])
     assert rc == 0
+    banner = printed.getvalue().split("memory plan")[0]
+    assert "GGUF checkpoint" in banner and "random init" not in banner, banner
     return out / "run"
 
 

@@ -76,6 +76,9 @@ def test_directory_and_errors(tmp_path):
     (tmp_path / "utf.jsonl").write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
     with pytest.raises(DataError, match=r"utf.jsonl:2: not UTF-8"):
         load_documents(str(tmp_path / "utf.jsonl"))
+    (tmp_path / "half.jsonl").write_text('{"prompt": "q"}\n')
+    with pytest.raises(DataError, match=r"half.jsonl:1: an instruction example needs string 'prompt' and 'response'"):
+        load_documents(str(tmp_path / "half.jsonl"))
     with pytest.raises(DataError, match="fewer than two sequences"):
         pack(stream_from_lists(range(10), [True] * 10), 64)
 

@@ -236,3 +236,15 @@ def test_bad_files_are_refused_in_one_line(tmp_path):
     w.close()
     with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
         GGUFReader(str(other))
+
+
+def test_runners_report_a_damaged_gguf_in_one_line(smollm2_gguf, tmp_path, capsys):
+    from runners import finetune, infer
+    from runners.common import run_main
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        cut.write_bytes(f.read(3_000_000))  # header and metadata intact, tensor data cut short
+    for main, extra in ((finetune.main, ["--dry-run"]), (infer.main, ["--prompt", "hi"])):
+        assert run_main(main, ["--model", str(cut), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cut.gguf: cannot be read as GGUF" in err[0] and "download it again" in err[0], err
