@@ -129,6 +129,9 @@ class OffloadConfig:
     # the first delayed_update_warmup updates are synchronous (early training moves fastest).
     delayed_update: bool = False
     delayed_update_warmup: int = 0
+    # updates skipped in a row for a non-finite loss or gradient before the engine stops
+    # (fp16: counted once the loss scale is at its minimum)
+    max_nonfinite_skips: int = 10
 
     def __post_init__(self) -> None:
         if self.offload not in ("none", "cpu", "nvme"):
@@ -175,7 +178,7 @@ class OffloadConfig:
                               "(offload_params='none'): streamed weights would be read while the "
                               "delayed step rewrites them")
         for name, lo in (("grad_accum_steps", 1), ("buffer_count", 2), ("initial_scale_power", 0),
-                         ("delayed_update_warmup", 0),
+                         ("delayed_update_warmup", 0), ("max_nonfinite_skips", 1),
                          ("sub_group_size", 1 << 10),
                          ("loss_scale_window", 1), ("hysteresis", 1)):
             v = getattr(self, name)

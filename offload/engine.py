@@ -33,7 +33,7 @@ from offload.blocks import bind_views, gather_flat, group_blocks, move_frozen_an
 from offload.config import ConfigError, OffloadConfig, as_config
 from offload import engine_state
 from offload.delayed import DelayedUpdate
-from offload.engine_state import StateError
+from offload.engine_state import NonFiniteError, StateError
 from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
@@ -62,6 +62,7 @@ class StepReport:
     overlapped_blocks: int = 0  # blocks stepped while backward was still running
     delayed: bool = False  # this update's CPU step runs during the next forward and backward
     applied: bool = True
+    nonfinite: bool = False  # skipped: a loss or gradient was inf/nan (fp16 overflow included)
     loss_scale: float = 1.0
     grad_norm: float | None = None
 
@@ -90,6 +91,12 @@ def _torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
 
 class Engine:
     def __init__(self, model: nn.Module, cfg: OffloadConfig, source: Any = None):
+        owner = getattr(model, "_offload_engine", None)
+        if owner is not None and not owner._closed:
+            raise RuntimeError("this model is already wrapped by an open offload engine (its "
+                               "weights now live in that engine's tiers); use that engine, or "
+                               "close() it first and initialize again")
+        self._closed = False
         return_large_frees_to_os()  # RSS must not grow with the number of blocks (tiers.py)
         self.module = model
         self.cfg = cfg
@@ -112,6 +119,16 @@ class Engine:
         self._clean_steps = 0
         self._hysteresis_left = cfg.hysteresis
         self.skipped_steps = 0
+        self.nonfinite_streak = 0  # updates skipped in a row for inf/nan (reset by an applied one)
+        # PyTorch's AdamW skips a parameter whose .grad is None (no gradient in the whole
+        # accumulation window): no update, and its own step count stays behind. updates each
+        # slot missed (only slots that ever missed one) and the missing slots of this update
+        self.slot_skips: dict[str, int] = {}
+        self._missing: dict[int, set[str]] = {}
+        self._next_missing: dict[int, set[str]] = {}
+        self._loss_finite: list[torch.Tensor] = []  # 0-d bools of this window's losses
+        self._backward_done = False  # a backward() since the last step(): misuse checks
+        self._overlap_poisoned: int | None = None  # first block with inf/nan gradients
         self.last_report = StepReport()
         self._pending = StepReport()
         path, self.overlap_why = cfg.step_path()  # how the step meets backward, and why
@@ -203,6 +220,7 @@ class Engine:
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
         self._hooks = [model.register_forward_pre_hook(self._on_forward_start),
                        model.register_forward_hook(self._on_forward_end)]
+        model._offload_engine = self
 
     # -- set-up -----------------------------------------------------------------------------
     def _unit_order(self) -> list[int]:
@@ -274,9 +292,26 @@ class Engine:
         fp16 loss scale); gradients are offloaded while it runs."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward needs the scalar loss tensor")
+        if self._closed:
+            raise RuntimeError("engine.backward after close()")
+        if self._backward_done:
+            raise RuntimeError("engine.backward called twice without engine.step() between: "
+                               "call step() after every backward() (for gradient accumulation "
+                               "set grad_accum_steps; step() applies the update every that many "
+                               "calls)")
+        self._backward_done = True
         accum = self.cfg.grad_accum_steps
         self.grads.begin_micro(self.micro_step % accum)
+        if self.micro_step % accum == 0:
+            self._loss_finite = []
+        # kept as a 0-d tensor: reading it now would make the host wait for the forward
+        # (a device sync on CUDA); step() reads them all at once, where it waits anyway
+        self._loss_finite.append(torch.isfinite(loss.detach()))
         overlap = self.grads.is_last_micro and self.overlap
+        if overlap and not self._losses_finite():
+            # an update with a non-finite loss is skipped, so no block may be stepped while
+            # this backward runs (the one sync the overlapped path pays for the guard)
+            overlap = False
         if overlap:
             # the update's math needs nothing global (no clipping, no overflow check), so each
             # block is stepped by the step thread as soon as its final gradients land
@@ -300,6 +335,12 @@ class Engine:
     def step(self) -> bool:
         """Call once per micro-batch. Every grad_accum_steps-th call applies the update; returns
         True when an update was applied (False between boundaries and on fp16 overflow)."""
+        if self._closed:
+            raise RuntimeError("engine.step after close()")
+        if not self._backward_done:
+            raise RuntimeError("engine.step without engine.backward(loss) first: nothing to "
+                               "apply (call backward() once per micro-batch, then step())")
+        self._backward_done = False
         self.micro_step += 1
         if self.micro_step % self.cfg.grad_accum_steps:
             return False
@@ -309,6 +350,7 @@ class Engine:
         before = self._link_mark  # bytes moved since the last update (backward's d2h included)
         rep.grad_wait_s = self.grads.wait()
         self.grads.finish_window()
+        self._next_missing = self.grads.missing()
         if self.delayed is not None and self.delayed.active():
             return self.delayed.step(rep, t_step, before)
         if self._overlap_jobs is not None:  # blocks already stepped during backward
@@ -318,17 +360,27 @@ class Engine:
             rep.overlap_wait_s = time.perf_counter() - t0
             rep.overlapped_blocks = len(self._overlap_jobs)
             self._overlap_jobs = None
+            if self._overlap_poisoned is not None:
+                raise NonFiniteError(
+                    f"non-finite gradients in {self.blocks[self._overlap_poisoned].name} with a "
+                    f"finite loss, after {rep.overlapped_blocks} blocks of this update were "
+                    f"already stepped (the overlapped step applies each block as its gradients "
+                    f"land); the in-memory state is inconsistent: resume from the last "
+                    f"checkpoint (untouched), and set grad_clip (--grad-clip) so every gradient "
+                    f"is checked before any block is stepped")
+            self._take_missing()  # blocks not stepped yet may miss slots
             o = self._overlap_rep
             rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
             rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
             self._finish_update(rep)
+            self.nonfinite_streak = 0
             self._finish_report(rep, t_step, before)
             return True
         grad_scale, norm = self._grad_scale()
         rep.loss_scale = self.loss_scale
         rep.grad_norm = norm
-        if grad_scale is None:  # fp16 overflow: nothing touched, scale lowered
-            rep.applied = False
+        if grad_scale is None:  # non-finite (fp16: overflow, scale lowered): nothing touched
+            rep.applied, rep.nonfinite = False, True
             self._finish_report(rep, t_step, before)
             return False
         self._apply(grad_scale, rep)
@@ -346,19 +398,25 @@ class Engine:
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
         self.last_report = rep
 
+    def _losses_finite(self) -> bool:
+        return bool(torch.stack(self._loss_finite).all()) if self._loss_finite else True
+
     def _grad_scale(self) -> tuple[float | None, float | None]:
         """(factor to multiply gradients by, global norm of the true gradients) — or (None, norm)
-        when fp16 gradients overflowed and the update must be skipped."""
+        when a loss or gradient is inf/nan (fp16: an overflow) and the update must be skipped.
+        The per-parameter norms were taken as the gradients landed, so the check over every
+        gradient costs no pass over memory, in any dtype."""
         cfg = self.cfg
         fp16 = cfg.dtype == "fp16"
-        if not (cfg.grad_clip > 0 or fp16):
-            return 1.0, None
         total = self.grads.global_norm(self._norm_order)  # of the (loss-scaled) gradients
+        if not (self._losses_finite() and bool(torch.isfinite(total))):
+            self._on_nonfinite()
+            return None, float(total)
+        self.nonfinite_streak = 0
         if fp16:
-            if not bool(torch.isfinite(total)):
-                self._on_overflow()
-                return None, float("inf")
             self._on_clean_step()
+        if not (cfg.grad_clip > 0 or fp16):
+            return 1.0, float(total)
         inv_scale = 1.0 / self.loss_scale
         if inv_scale != 1.0:
             total = total * inv_scale
@@ -367,6 +425,25 @@ class Engine:
         # exactly clip_grad_norm_'s arithmetic: fp32 tensors, 1e-6 guard, clamp at 1
         coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
         return float(coef) * inv_scale if inv_scale != 1.0 else float(coef), float(total)
+
+    def _on_nonfinite(self) -> None:
+        """Skip this update (like an fp16 overflow, in any dtype); stop after
+        max_nonfinite_skips in a row — for fp16 only those the loss scale can no longer absorb."""
+        cfg = self.cfg
+        if cfg.dtype == "fp16":
+            absorbable = cfg.loss_scale == 0 and self.loss_scale > cfg.min_loss_scale
+            self._on_overflow()
+            if absorbable:
+                return
+        else:
+            self.skipped_steps += 1
+        self.nonfinite_streak += 1
+        if self.nonfinite_streak >= cfg.max_nonfinite_skips:
+            raise NonFiniteError(
+                f"{self.nonfinite_streak} updates in a row skipped for a non-finite loss or "
+                f"gradient (update {self.global_step + 1}); training has diverged or the data "
+                f"holds bad values: lower the learning rate or add gradient clipping, and resume "
+                f"from the last checkpoint (saved state is never non-finite)")
 
     def _on_overflow(self) -> None:
         self.skipped_steps += 1
@@ -391,6 +468,8 @@ class Engine:
     def _begin_update(self, grad_scale: float) -> None:
         """Everything the per-block steps of one update share; the update's step number."""
         self.global_step += 1
+        self._take_missing()  # overlapped: {} now, the real set at step()
+        self._overlap_poisoned = None
         self._grad_scale_now = grad_scale
         self._lr_now = self.lr  # fixed for the update (a delayed one runs while lr may change)
         self._stepped: set[int] = set()
@@ -412,13 +491,23 @@ class Engine:
         out16, slot = self._upload_target(bi, self._k)
         self._k += 1
         grad = self.grads.buffer(bi) if grad is None else grad
+        segments = self._segments(bi)
         for u, lo, hi in self.state.units_of(bi):  # sub-groups of a large block, in order
             master, exp_avg, exp_avg_sq = self.state.acquire(u)
             t0 = time.perf_counter()
-            kernel(master, exp_avg, exp_avg_sq, grad[lo:hi], step=self.global_step,
-                   lr=self._lr_now, beta1=beta1, beta2=beta2, eps=cfg.eps,
-                   weight_decay=cfg.weight_decay, grad_scale=self._grad_scale_now,
-                   out16=out16[lo:hi] if self.dtype != torch.float32 else None)
+            for a, b, step in segments or [(lo, hi, self.global_step)]:
+                a, b = max(a, lo), min(b, hi)  # block offsets, inside this unit
+                if a >= b:
+                    continue
+                m = slice(a - lo, b - lo)
+                if step is None:  # no gradient this window: left as it is (torch skips it)
+                    if self.dtype != torch.float32:
+                        out16[a:b].copy_(master[m])
+                    continue
+                kernel(master[m], exp_avg[m], exp_avg_sq[m], grad[a:b], step=step,
+                       lr=self._lr_now, beta1=beta1, beta2=beta2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, grad_scale=self._grad_scale_now,
+                       out16=out16[a:b] if self.dtype != torch.float32 else None)
             if self.dtype == torch.float32:
                 out16[lo:hi].copy_(master)
             rep.cpu_step_s += time.perf_counter() - t0
@@ -428,6 +517,25 @@ class Engine:
         self._upload(bi, out16, slot)
         rep.upload_s += time.perf_counter() - t0
         self._stepped.add(bi)
+
+    def _take_missing(self) -> None:
+        """This update's slots without a gradient (found at step()): not stepped, and their
+        own AdamW step count falls one further behind."""
+        self._missing, self._next_missing = self._next_missing, {}
+        for names in self._missing.values():
+            for name in names:
+                self.slot_skips[name] = self.slot_skips.get(name, 0) + 1
+
+    def _segments(self, bi: int) -> list[tuple[int, int, int | None]] | None:
+        """Block bi's slots as (begin, end, AdamW step number or None = not stepped), when its
+        slots do not all share this update's step number; None (one kernel call) otherwise."""
+        missing = self._missing.get(bi, ())
+        slots = self.blocks[bi].slots
+        if not missing and not any(s.name in self.slot_skips for s in slots):
+            return None
+        return [(s.offset, s.offset + s.numel,
+                 None if s.name in missing else self.global_step - self.slot_skips.get(s.name, 0))
+                for s in slots]
 
     def _finish_update(self, rep: StepReport, sync_compute: bool = True) -> None:
         """Blocks not stepped yet, then make the update durable and visible to the next forward
@@ -453,6 +561,11 @@ class Engine:
     def _submit_block_step(self, bi: int) -> None:
         """Called when block bi's final gradients have landed (autograd thread on CPU, landing
         worker on CUDA): step it on the step thread while backward continues."""
+        if self._overlap_poisoned is not None or not self.grads.block_finite(bi):
+            # a finite loss with inf/nan gradients: this block is not stepped; step() stops
+            if self._overlap_poisoned is None:
+                self._overlap_poisoned = bi
+            return
         if self.cuda and bi in self.grads.block_event and bi not in self.layer_of:
             # the upload may overwrite the device weights only after backward's kernels that
             # read them: the H2D stream waits on the block's last gradient event (GPU-side)
@@ -537,7 +650,9 @@ class Engine:
         order = [i for i, b in enumerate(self.blocks) if b.module is None] + \
                 [i for i, b in enumerate(self.blocks) if b.module is not None]
         for bi in order:
-            yield from self.blocks[bi].views(self.state.read(bi, "master")).items()
+            flat = self.state.read(bi, "master")
+            engine_state.check_finite({"master weights": flat}, f"block {self.blocks[bi].name}")
+            yield from self.blocks[bi].views(flat).items()
 
     def optimizer_state(self, bi: int) -> dict[str, torch.Tensor]:
         """Copies of block bi's flat fp32 state: master, exp_avg, exp_avg_sq."""
@@ -602,9 +717,11 @@ class Engine:
 
     def close(self) -> None:
         """Finish IO, release the swap directory's lock and every thread (idempotent)."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
+        if getattr(self.module, "_offload_engine", None) is self:
+            del self.module._offload_engine
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -642,4 +759,4 @@ def initialize(model: nn.Module, config: OffloadConfig | Mapping[str, Any] | Non
     return Engine(model, cfg, source)
 
 
-__all__ = ["Engine", "StepReport", "StateError", "initialize", "BudgetError"]
+__all__ = ["Engine", "StepReport", "StateError", "NonFiniteError", "initialize", "BudgetError"]

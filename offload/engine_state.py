@@ -28,6 +28,21 @@ class StateError(RuntimeError):
     """A saved training state cannot be restored into this engine."""
 
 
+class NonFiniteError(StateError):
+    """Training produced inf/nan where it must not go on (too many skipped updates in a row,
+    or a state about to be saved); nothing non-finite was written."""
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse to save state holding inf/nan: the last good checkpoint must stay."""
+    for kind, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"{where}: the {kind} holds inf/nan values; not saving it (the "
+                                 f"last checkpoint stays as it was) — the run diverged or its "
+                                 f"state was damaged: resume from that checkpoint with a lower "
+                                 f"learning rate or gradient clipping")
+
+
 def layout(engine: "Engine") -> list[dict[str, Any]]:
     return [{"name": b.name, "numel": b.numel,
              "params": [[s.name, list(s.shape)] for s in b.slots]} for b in engine.blocks]
@@ -39,6 +54,7 @@ def state_meta(engine: "Engine") -> dict[str, Any]:
             "micro_step": engine.micro_step, "loss_scale": engine.loss_scale,
             "clean_steps": engine._clean_steps, "hysteresis_left": engine._hysteresis_left,
             "skipped_steps": engine.skipped_steps, "lr": engine.lr, "dtype": engine.cfg.dtype,
+            "slot_skips": dict(engine.slot_skips),
             "delayed_pending": engine.delayed is not None and engine.delayed.pending,
             "layout": layout(engine)}
 
@@ -58,6 +74,7 @@ def save_state(engine: "Engine", directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     for bi, block in enumerate(engine.blocks):
         tensors = engine.optimizer_state(bi)
+        check_finite(tensors, f"block {block.name}")
         if pending:
             tensors["live"] = engine.flat16[bi].cpu()
         nvme_format.write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
@@ -98,6 +115,17 @@ def load_state(engine: "Engine", directory: str) -> None:
             raise StateError(f"{meta_path}: {key!r} is missing or not a valid number "
                              f"({value!r}); the saved state is damaged — resume from "
                              f"another checkpoint")
+    skips = meta.get("slot_skips", {})
+    names = {s.name for b in engine.blocks for s in b.slots}
+    if not isinstance(skips, dict) or not all(
+            k in names and type(v) is int and 0 < v <= meta["global_step"] for k, v in skips.items()):
+        raise StateError(f"{meta_path}: 'slot_skips' must map this model's parameter names to "
+                         f"update counts in [1, global_step]; the saved state is damaged — resume "
+                         f"from another checkpoint")
+    if meta.get("dtype") != engine.cfg.dtype:
+        raise StateError(f"{meta_path}: saved with dtype {meta.get('dtype')!r}, this engine runs "
+                         f"{engine.cfg.dtype!r} (the loss scale and gradient rounding differ); "
+                         f"resume with the dtype it was saved with")
     pending = meta.get("delayed_pending", False)
     if not isinstance(pending, bool):
         raise StateError(f"{meta_path}: 'delayed_pending' must be true or false, got "
@@ -131,6 +159,7 @@ def load_state(engine: "Engine", directory: str) -> None:
     engine.loss_scale, engine._clean_steps = meta["loss_scale"], meta["clean_steps"]
     engine._hysteresis_left, engine.skipped_steps = meta["hysteresis_left"], meta["skipped_steps"]
     engine.lr = meta["lr"]
+    engine.slot_skips = dict(skips)
     if pending and engine.delayed is not None:
         engine.delayed.mark_pending()  # the next step() makes the masters' weights live
     if isinstance(engine.state, NvmeState):

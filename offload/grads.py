@@ -68,6 +68,7 @@ class GradLanding:
         # buffer per block — host memory for gradients no longer grows with the model.
         self.pooled = pool_buffers > 0
         self._lazy: set[int] = set()  # buffers made at first landing, freed after the step
+        self._extra: set[int] = set()  # the same, made when the pool cannot serve (_take_pooled)
         self._account, self._pin_landing = account, pin
         self.landing: list[torch.Tensor | None]
         if self.pooled:
@@ -110,6 +111,9 @@ class GradLanding:
                 account.add("host", "buffers", t.numel() * t.element_size())
         self.slot_norm: dict[str, torch.Tensor] = {}  # param name -> fp32 0-d norm (final grads)
         self.micro = 0  # micro-batch index inside the accumulation window
+        # slots that received a gradient in this window (the first one overwrites the buffer,
+        # later ones add) and slots whose gradient is final (norm taken)
+        self.touched: list[set[str]] = [set() for _ in blocks]
         self.landed: list[set[str]] = [set() for _ in blocks]
         self.on_block_done: Callable[[int], None] | None = None  # block index, all grads final
         self.block_event: dict[int, "torch.cuda.Event"] = {}
@@ -140,6 +144,7 @@ class GradLanding:
         self.micro = micro
         if micro == 0:
             self.slot_norm.clear()
+            self.touched = [set() for _ in self.blocks]
             self.landed = [set() for _ in self.blocks]
 
     @property
@@ -153,11 +158,16 @@ class GradLanding:
                 return
             param.grad = None  # the device copy is freed as soon as the copy below is done
             nbytes = grad.numel() * grad.element_size()
+            # A slot's first gradient of the window overwrites, later ones add — by slot, not
+            # by micro-batch index: a block may get no gradient in some micro-batches
+            # (LayerDrop, conditional computation, frozen paths).
+            first = slot.name not in self.touched[bi]
+            self.touched[bi].add(slot.name)
             if self.cuda:
-                self._land_cuda(bi, slot, grad)
+                self._land_cuda(bi, slot, grad, first)
             else:
                 t0 = time.perf_counter()
-                self._land_host(bi, slot, grad.reshape(-1), self.micro)
+                self._land_host(bi, slot, grad.reshape(-1), first)
                 self.d2h.add(nbytes, time.perf_counter() - t0)
                 if self.is_last_micro:
                     self._after_land(bi, slot)
@@ -175,16 +185,34 @@ class GradLanding:
             self._account.add("host", "grads", t.numel() * t.element_size())
         elif t is None:
             t0 = time.perf_counter()
-            try:
-                base = self._pool.get(timeout=POOL_TIMEOUT_S)
-            except queue.Empty:
-                raise RuntimeError(f"gradient landing pool exhausted for {POOL_TIMEOUT_S} s "
-                                   f"(block {self.blocks[bi].name}); the step thread is not "
-                                   f"returning buffers") from None
+            base = self._take_pooled(bi)
             self.pool_wait_s += time.perf_counter() - t0
+            if base is None:  # see _take_pooled: a buffer of its own, freed after its step
+                self._extra.add(bi)
+                t = self.landing[bi] = host_empty(self.blocks[bi].numel, self.landing_dtype,
+                                                  self._pin_landing)
+                self._account.add("host", "grads", t.numel() * t.element_size())
+                return t
             self._base[bi] = base
             t = self.landing[bi] = base[:self.blocks[bi].numel]
         return t
+
+    def _take_pooled(self, bi: int) -> torch.Tensor | None:
+        """A pool buffer; None when every pool buffer is held by a block still waiting for
+        gradients (one that got no gradient for some parameter completes only at step()):
+        waiting would never end, so the caller makes a buffer of its own instead."""
+        deadline = time.perf_counter() + POOL_TIMEOUT_S
+        while True:
+            try:
+                return self._pool.get(timeout=0.02)
+            except queue.Empty:
+                held = [i for i, b in enumerate(self._base) if b is not None]
+                if held and all(len(self.landed[i]) < len(self.blocks[i].slots) for i in held):
+                    return None
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"gradient landing pool exhausted for {POOL_TIMEOUT_S} s "
+                                       f"(block {self.blocks[bi].name}); the step thread is not "
+                                       f"returning buffers") from None
 
     def add_second_set(self) -> None:
         """A second full set of landing buffers (the delayed update: a job steps from one set
@@ -202,16 +230,17 @@ class GradLanding:
     def release_buffer(self, bi: int) -> None:
         """Pooled: block bi has been stepped; its buffer goes back to the pool (or is freed,
         for a lazily made one)."""
-        if self.pooled and bi in self._lazy and self.landing[bi] is not None:
+        if self.pooled and (bi in self._lazy or bi in self._extra) and self.landing[bi] is not None:
+            self._extra.discard(bi)
             t, self.landing[bi] = self.landing[bi], None
             self._account.sub("host", "grads", t.numel() * t.element_size())
         elif self.pooled and bi in self._pooled and self._base[bi] is not None:
             base, self._base[bi], self.landing[bi] = self._base[bi], None, None
             self._pool.put(base)
 
-    def _land_host(self, bi: int, slot: ParamSlot, src: torch.Tensor, micro: int) -> None:
+    def _land_host(self, bi: int, slot: ParamSlot, src: torch.Tensor, first: bool) -> None:
         dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
-        if micro == 0:
+        if first:
             dst.copy_(src)
         else:
             dst.add_(src)
@@ -227,7 +256,7 @@ class GradLanding:
             self.on_block_done(bi)
 
     # -- CUDA path --------------------------------------------------------------------------
-    def _land_cuda(self, bi: int, slot: ParamSlot, grad: torch.Tensor) -> None:
+    def _land_cuda(self, bi: int, slot: ParamSlot, grad: torch.Tensor, first: bool) -> None:
         # The gradient was produced by kernels on the backward's current stream; the side
         # stream must not read it before they finish, hence the event wait (not a device sync).
         produced = torch.cuda.Event()
@@ -235,9 +264,9 @@ class GradLanding:
         # the latest such event of a block marks the point after every kernel that read its
         # weights in this backward: an overlapped step may overwrite them after it
         self.block_event[bi] = produced
-        # micro-batch 0 of a window overwrites, so it can land straight in the landing buffer
-        # when no dtype change is needed; anything else goes through staging + a host add.
-        direct = self.micro == 0 and self.landing_dtype == self.grad_dtype
+        # a slot's first gradient of a window overwrites, so it can land straight in the landing
+        # buffer when no dtype change is needed; anything else goes through staging + a host add.
+        direct = first and self.landing_dtype == self.grad_dtype
         dst_buf = self.buffer(bi) if direct else self.staging[bi]  # type: ignore[index]
         dst = dst_buf[slot.offset:slot.offset + slot.numel]
         with torch.cuda.stream(self.stream):
@@ -250,18 +279,18 @@ class GradLanding:
             copied.record(self.stream)
         with self._cv:
             self._pending += 1
-        self._work.put((copied, bi, slot, None if direct else dst, self.micro))
+        self._work.put((copied, bi, slot, None if direct else dst, first, self.micro))
 
     def _run_worker(self) -> None:
         while True:
             item = self._work.get()
             if item is None:
                 return
-            copied, bi, slot, staged, micro = item
+            copied, bi, slot, staged, first, micro = item
             try:
                 copied.synchronize()  # blocks this worker only; releases the GIL
                 if staged is not None:
-                    self._land_host(bi, slot, staged, micro)
+                    self._land_host(bi, slot, staged, first)
                 if micro == self.accum_steps - 1:
                     self._after_land(bi, slot)
             except BaseException as e:  # surfaced to the caller in wait()
@@ -283,14 +312,34 @@ class GradLanding:
         return time.perf_counter() - t0
 
     def finish_window(self) -> None:
-        """After the last micro-batch: slots that got no gradient in the whole window (unused
-        parameters) count as zero gradients."""
+        """After the last micro-batch (and wait()): a slot whose gradients came only in earlier
+        micro-batches holds their sum, final now (PyTorch applies it too); a slot that got no
+        gradient in the whole window (unused parameters) counts as a zero gradient."""
         for bi, block in enumerate(self.blocks):
             for slot in block.slots:
-                if slot.name not in self.landed[bi]:
+                if slot.name in self.landed[bi]:
+                    continue
+                if slot.name in self.touched[bi]:
+                    self._after_land(bi, slot)  # on_block_done is unset: step() steps it
+                else:
                     self.buffer(bi)[slot.offset:slot.offset + slot.numel].zero_()
                     self.slot_norm[slot.name] = torch.zeros((), dtype=torch.float32)
                     self.landed[bi].add(slot.name)
+
+    def missing(self) -> dict[int, set[str]]:
+        """{block index: names of its slots that got no gradient in this window} (after
+        finish_window); blocks whose slots all got one are left out."""
+        out = {}
+        for bi, block in enumerate(self.blocks):
+            names = {s.name for s in block.slots} - self.touched[bi]
+            if names:
+                out[bi] = names
+        return out
+
+    def block_finite(self, bi: int) -> bool:
+        """Every final gradient of block bi is finite (read off the norms taken as they landed)."""
+        norms = [self.slot_norm[s.name] for s in self.blocks[bi].slots if s.name in self.slot_norm]
+        return not norms or bool(torch.isfinite(torch.stack(norms)).all())
 
     def global_norm(self, names_in_order: list[str]) -> torch.Tensor:
         """The L2 norm over all gradients, combined as torch.nn.utils.clip_grad_norm_ does:

@@ -203,6 +203,11 @@ class NvmeState:
             if u in self.queue:  # it must be next: reads are issued in consumption order
                 self.queue.remove(u)
             self.queue.appendleft(u)
+            if not self.free and not self.writing:
+                # Out of order (an overlapped step takes blocks as their gradients complete,
+                # and a block with no gradient this time, or a missing one, changes that
+                # order): every set holds a read-ahead of a later unit. Give one back.
+                self._evict_read_ahead(keep=u)
             self._pump(block=True)
         si, handles = self.reading[u]
         t0 = time.perf_counter()
@@ -211,6 +216,16 @@ class NvmeState:
         self.io_wait_s += time.perf_counter() - t0
         self._current = (u, si)
         return self._views(si, u)  # type: ignore[return-value]
+
+    def _evict_read_ahead(self, keep: int) -> None:
+        """Free the staging set of the most recently issued read-ahead (its unit goes back in
+        the queue, right after `keep`, and is read again when its turn comes)."""
+        victim = next(v for v in reversed(self.reading) if v != keep)
+        si, handles = self.reading.pop(victim)
+        for h in handles:
+            h.wait()  # the buffer may be reused only when the read into it is over
+        self.free.append(si)
+        self.queue.insert(1, victim)
 
     def _write(self, si: int, u: int) -> None:
         self.writing[si] = [self.store.write(self.name(u, kind), view)
