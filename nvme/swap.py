@@ -2,10 +2,14 @@
 
 Layout of a store directory:
   LOCK                    flock()ed exclusively while a SwapStore has the directory open
+                          (holds "offload-swap-lock <pid>"; a LOCK with other content is
+                          someone else's file and is refused, never overwritten)
   manifest.json           {"format", "step", "tensors": {name: entry}}, replaced atomically
   <name>.safetensors      one standard safetensors file per name (data 4 KiB-aligned), whose
                           __metadata__ carries the CRC-32 of the tensor's bytes
-  <name>.safetensors.tmp  a write in progress (deleted when a store opens the directory)
+  <name>.safetensors.tmp  a write in progress (deleted when a store opens the directory, for
+                          names the store's own manifest or files know: nothing else in the
+                          directory is ever touched, so it may be shared with other files)
 
 A write goes to the .tmp name through the engine (the CRC is taken block by block as the data
 goes out), then the header with the CRC is written, the file fsynced, renamed over the real
@@ -35,7 +39,7 @@ import torch
 
 from nvme.format import (DTYPE_FROM_NAME, NAME_FROM_DTYPE, FormatError, fsync_dir, header_bytes,
                          read_header, tensor_bytes)
-from nvme.io import IOEngine, IOEngineError, IOHandle, aligned_empty, os_reason
+from nvme.io import CHECKSUM, CRC_FUNCS, IOEngine, IOEngineError, IOHandle, aligned_empty, os_reason
 
 FORMAT = "offload-swap/1"
 MANIFEST, LOCK, SUFFIX, TMP = "manifest.json", "LOCK", ".safetensors", ".tmp"
@@ -62,11 +66,12 @@ class SwapEntry:
     crc32: int
     file: str     # file name inside the store directory
     offset: int   # where the tensor's bytes start in that file
+    checksum: str = "crc32"  # which CRC `crc32` is: "crc32c" (Castagnoli) or "crc32" (zlib)
 
     def to_json(self) -> dict:
         return {"dtype": NAME_FROM_DTYPE[self.dtype], "shape": list(self.shape),
-                "nbytes": self.nbytes, "crc32": f"{self.crc32:08x}", "file": self.file,
-                "offset": self.offset}
+                "nbytes": self.nbytes, "crc32": f"{self.crc32:08x}", "checksum": self.checksum,
+                "file": self.file, "offset": self.offset}
 
     @classmethod
     def from_json(cls, name: str, d: dict) -> "SwapEntry":
@@ -76,7 +81,8 @@ class SwapEntry:
             raise ValueError(f"tensor {name[:200]!r} is listed in file {str(d['file'])[:200]!r}, "
                              f"expected {file_name(name)!r}")
         return cls(name, DTYPE_FROM_NAME[d["dtype"]], tuple(d["shape"]), int(d["nbytes"]),
-                   int(d["crc32"], 16), str(d["file"]), int(d["offset"]))
+                   int(d["crc32"], 16), str(d["file"]), int(d["offset"]),
+                   _checksum_kind(d.get("checksum", "crc32")))
 
 
 def file_name(name: str) -> str:
@@ -88,6 +94,25 @@ def file_name(name: str) -> str:
     if len(safe) > 180:
         safe = safe[:160] + "~" + hashlib.sha1(name.encode()).hexdigest()[:16]
     return safe + SUFFIX
+
+
+LOCK_TEXT = "offload-swap-lock"
+
+
+def _is_lock_text(text: str) -> bool:
+    """A LOCK this program wrote: "offload-swap-lock <pid>" (or a bare pid, as before)."""
+    words = text.split()
+    return (len(words) == 2 and words[0] == LOCK_TEXT and words[1].isdigit()) or \
+        (len(words) == 1 and words[0].isdigit())
+
+
+def _checksum_kind(name) -> str:
+    if name not in ("crc32", "crc32c"):
+        raise ValueError(f"unknown checksum kind {str(name)[:40]!r}")
+    if name not in CRC_FUNCS:
+        raise ValueError(f"written with {name} checksums, which need the crc32c package here "
+                         f"(pip install crc32c)")
+    return name
 
 
 def _gib(n: int) -> str:
@@ -150,11 +175,18 @@ class SwapStore:
 
     def _take_lock(self) -> None:
         path = os.path.join(self.dir, LOCK)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        held = os.pread(fd, 256, 0).decode(errors="replace")
+        if held and not _is_lock_text(held):
+            os.close(fd)
+            raise SwapError(errno_mod.EEXIST, f"swap directory {self.dir}: {path} is not a lock "
+                                              f"file of this program (it holds other data) and "
+                                              f"would be overwritten; move it away or choose "
+                                              f"another directory")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = held.split()[-1] if held.split() else "unknown"
             os.close(fd)
             if e.errno not in (errno_mod.EWOULDBLOCK, errno_mod.EAGAIN):
                 raise SwapError(e.errno, f"swap directory {self.dir}: cannot lock {path}: "
@@ -165,7 +197,7 @@ class SwapStore:
                                      f"directory (close the other one, or use another "
                                      f"directory)") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{LOCK_TEXT} {os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
 
     def _release(self) -> None:
@@ -193,10 +225,10 @@ class SwapStore:
                 raise SwapError(errno_mod.EINVAL, f"swap manifest {mpath} is unreadable: {why} "
                                                   f"(not a manifest this program wrote, or "
                                                   f"damaged; move it away to start afresh)") from None
-        files = set()
+        files, tmps = set(), []
         for f in os.listdir(self.dir):
-            if f.endswith(SUFFIX + TMP):  # a write that never reached its rename
-                os.unlink(os.path.join(self.dir, f))
+            if f.endswith(SUFFIX + TMP):
+                tmps.append(f)
             elif f.endswith(SUFFIX):
                 files.add(f)
         # The files are the truth: each names its tensor and carries its checksum.
@@ -211,8 +243,18 @@ class SwapStore:
             if len(infos) != 1 or meta.get("format") != FORMAT or "crc32" not in meta:
                 continue  # not one of ours
             (info,) = infos.values()
+            try:
+                kind = _checksum_kind(meta.get("checksum", "crc32"))
+            except ValueError:
+                continue  # not readable here: listed names are reported as broken below
             self._entries[info.name] = SwapEntry(info.name, info.dtype, info.shape, info.nbytes,
-                                                 int(meta["crc32"], 16), f, info.offset)
+                                                 int(meta["crc32"], 16), f, info.offset, kind)
+        # a write that never reached its rename — of a tensor this store knows; a .tmp file
+        # under any other name is not ours and stays
+        known = {e.file for e in listed.values()} | {e.file for e in self._entries.values()}
+        for f in tmps:
+            if f[:-len(TMP)] in known:
+                os.unlink(os.path.join(self.dir, f))
         for n, e in listed.items():
             if n not in self._entries:
                 self._entries[n] = e
@@ -330,8 +372,9 @@ class SwapStore:
         return h
 
     @staticmethod
-    def _meta(crc: int) -> dict[str, str]:
-        return {"format": FORMAT, "crc32": f"{crc:08x}"}  # fixed width: header size is known
+    def _meta(crc: int, checksum: str = CHECKSUM) -> dict[str, str]:
+        # fixed width for one checksum kind: the header's size is known before the CRC is
+        return {"format": FORMAT, "crc32": f"{crc:08x}", "checksum": checksum}
 
     def _write_error(self, name: str, final: str, e: BaseException) -> SwapError:
         err = getattr(e, "errno", None) or errno_mod.EIO
@@ -343,7 +386,7 @@ class SwapStore:
         try:
             if h.error is not None:
                 raise h.error
-            header = header_bytes({name: t}, self._meta(h.crc32))
+            header = header_bytes({name: t}, self._meta(h.crc32, h.checksum))
             if len(header) != data_offset:
                 raise AssertionError("swap header size changed between planning and writing")
             fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
@@ -364,7 +407,7 @@ class SwapStore:
             finally:
                 os.close(fd)
             entry = SwapEntry(name, t.dtype, tuple(t.shape), h.nbytes, h.crc32,
-                              os.path.basename(final), data_offset)
+                              os.path.basename(final), data_offset, h.checksum)
             with self._mutex:
                 os.replace(tmp, final)  # the commit point for this tensor
                 self._entries[name] = entry
@@ -454,7 +497,8 @@ class SwapStore:
                 check = policy == "always" or (policy == "cold" and name not in self._warm)
                 path = os.path.join(self.dir, entry.file)
                 try:  # opened under the mutex: pins the file a concurrent rename may replace
-                    h = self.engine.submit_read(path, entry.offset, out, checksum=check,
+                    h = self.engine.submit_read(path, entry.offset, out,
+                                                checksum=entry.checksum if check else False,
                                                 on_done=partial(self._finish_read, entry, path, check),
                                                 start=False)
                 except OSError as e:
@@ -472,7 +516,7 @@ class SwapStore:
         if h.crc32 != entry.crc32:
             raise ChecksumError(errno_mod.EIO, (
                 f"checksum mismatch in swap tensor {entry.name!r}: {path}, {entry.nbytes} bytes "
-                f"at offset {entry.offset}: recorded crc32 {entry.crc32:08x}, read back "
+                f"at offset {entry.offset}: recorded {entry.checksum} {entry.crc32:08x}, read back "
                 f"{h.crc32:08x}; the file is corrupt"))
         with self._mutex:
             self._warm.add(entry.name)
@@ -505,6 +549,37 @@ class SwapStore:
                 self._write_manifest()
             finally:
                 self._release()
+
+    def destroy(self) -> int:
+        """Close the store and delete what it created: its tensors' files, the manifest and the
+        lock (and the directory when that leaves it empty). Returns the bytes freed. Other files
+        in the directory are left alone."""
+        self.flush()
+        freed = 0
+        with self._mutex:
+            files = [e.file for e in self._entries.values()]
+            self._entries.clear()
+        for f in files:
+            path = os.path.join(self.dir, f)
+            try:
+                freed += os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._closed = True
+        try:
+            os.unlink(os.path.join(self.dir, MANIFEST))
+        except FileNotFoundError:
+            pass
+        try:
+            os.unlink(os.path.join(self.dir, LOCK))  # still held: no other store can be in it
+        finally:
+            self._release()
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass  # other files live there
+        return freed
 
     def __enter__(self) -> "SwapStore":
         return self

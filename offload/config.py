@@ -96,7 +96,9 @@ class OffloadConfig:
     # the CPU AdamW kernel: one pass with a correctly rounded sqrt (default), or bit-identical
     # to torch.optim.AdamW on this machine (torch's own sqrt between two passes; 1.7-2.6x slower)
     exact_optimizer: bool = False
-    verify_checksums: bool = True  # verify swap reads against the manifest's checksums
+    # verify every swap read against the CRC-32 of the bytes written (computed in the IO
+    # threads as the data moves, so the step does not wait for it)
+    verify_checksums: bool = True
     # fsync each swap file around its rename. Off by default: temp-name + rename already keeps
     # the swap directory consistent when the process is killed; against power loss the durable
     # copy is the (always fsynced) training checkpoint. On costs ~2 fsyncs per block per step.

@@ -250,7 +250,7 @@ class Engine:
         io = IOEngine(threads=cfg.io_threads, block_bytes=cfg.io_block_bytes,
                       queue_depth=cfg.io_queue_depth)
         store = SwapStore(cfg.nvme_dir, engine=io, durable=cfg.swap_fsync,
-                          verify="cold" if cfg.verify_checksums else "never")
+                          verify="always" if cfg.verify_checksums else "never")
         store.preflight(self.plan.total("nvme"))
         return store
 
@@ -715,8 +715,11 @@ class Engine:
     def format_memory_report(self) -> str:
         return format_report({k: v for k, v in self.account.report().items()})
 
-    def close(self) -> None:
-        """Finish IO, release the swap directory's lock and every thread (idempotent)."""
+    def close(self, *, after_error: bool = False) -> None:
+        """Finish IO, release the swap directory's lock and every thread (idempotent). Every
+        part is closed even when one fails; the first failure is raised then — unless
+        `after_error` (cleaning up after an exception the caller is raising: that first error,
+        with its advice, is the one the user must see, not a consequence of it)."""
         if self._closed:
             return
         self._closed = True
@@ -725,14 +728,21 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self.grads.close()
-        self._step_thread.shutdown(wait=True)
+        parts = [self.grads.close, lambda: self._step_thread.shutdown(wait=True)]
         if self.streaming is not None:
-            self.streaming.close()
-        self.state.close()
+            parts.append(self.streaming.close)
+        parts.append(self.state.close)
         if self.store is not None:
-            self.store.close()
-            self.store.engine.close()  # the store was given the engine: it does not close it
+            # the store was given the engine: it does not close it
+            parts += [self.store.close, self.store.engine.close]
+        first: BaseException | None = None
+        for close_part in parts:
+            try:
+                close_part()
+            except Exception as e:  # noqa: BLE001 - the rest must still be released
+                first = first or e
+        if first is not None and not after_error:
+            raise first
 
     def __enter__(self) -> "Engine":
         return self

@@ -269,15 +269,20 @@ class NvmeState:
             tail.result()
             self.io_wait_s += time.perf_counter() - t0
 
-    def drain(self) -> None:
-        """No IO in flight and nothing staged (before direct reads or checkpointing)."""
+    def drain(self, reads_matter: bool = True) -> None:
+        """No IO in flight and nothing staged (before direct reads or checkpointing). A failed
+        read-ahead raises unless `reads_matter` is False (closing: nobody uses its data)."""
         self._join()
         for si in list(self.writing):
             self._finish_writes(si)
             self.free.append(si)
         for bi, (si, handles) in list(self.reading.items()):
             for h in handles:
-                h.wait()
+                try:
+                    h.wait()
+                except OSError:
+                    if reads_matter:
+                        raise
             self.free.append(si)
         self.reading.clear()
         self.queue.clear()
@@ -295,5 +300,7 @@ class NvmeState:
             self.store.write(self.name(u, kind), values[lo:hi].contiguous()).wait()
 
     def close(self) -> None:
-        self.drain()  # the store itself belongs to the engine
-        self._tail_thread.shutdown(wait=True)
+        try:
+            self.drain(reads_matter=False)  # the store itself belongs to the engine
+        finally:
+            self._tail_thread.shutdown(wait=True)

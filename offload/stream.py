@@ -128,6 +128,8 @@ class BlockStreamer:
     files: per block, where each of its parameters is stored (required for nvme blocks; for the
     others, when given, weights are read from there, else taken from the module's parameters).
     host_ahead / nvme_ahead: how many streamed blocks ahead of the running one may be in flight.
+    expected_crc32: block index -> the CRC-32 its stored bytes must have (or None), checked on
+    every read of a block stored as one run (training's swap files: they change every update).
     """
 
     def __init__(self, layers: nn.ModuleList, residency: Sequence[str], *,
@@ -136,7 +138,8 @@ class BlockStreamer:
                  host_ahead: int = 1, nvme_ahead: int = 2, io: IOEngine | None = None,
                  pin: bool = True, zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
                  progress: Callable[[int], None] | None = None,
-                 host_flats: Sequence[torch.Tensor | None] | None = None):
+                 host_flats: Sequence[torch.Tensor | None] | None = None,
+                 expected_crc32: Callable[[int], int | None] | None = None):
         return_large_frees_to_os()  # block-sized temporaries must not pile up in malloc arenas
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
@@ -153,6 +156,7 @@ class BlockStreamer:
         if self.cuda and self.zero_copy_host:
             raise StreamError("zero_copy_host is only possible when the device is the CPU")
         self.fetch_delay_s = fetch_delay_s
+        self.expected_crc32 = expected_crc32
         self.pin = pin and self.cuda
         self.stats = StreamStats()
         self._files = list(files) if files is not None else [None] * len(layers)
@@ -323,10 +327,20 @@ class BlockStreamer:
         return self.blocks[i].numel * dt.itemsize
 
     def _read_runs(self, i: int, dst: torch.Tensor) -> None:
-        """Read block i's stored bytes into `dst` (uint8, contiguous CPU) with the IO engine."""
-        handles = [self.io.submit_read(r.path, r.offset, dst[r.buf_offset:r.buf_offset + r.nbytes])
-                   for r in self._runs[i]]
+        """Read block i's stored bytes into `dst` (uint8, contiguous CPU) with the IO engine;
+        verified against `expected_crc32` when given (the CRC is taken by the IO threads as the
+        bytes arrive: no second pass)."""
+        runs = self._runs[i]
+        want = self.expected_crc32(i) if self.expected_crc32 is not None and len(runs) == 1 else None
+        handles = [self.io.submit_read(r.path, r.offset, dst[r.buf_offset:r.buf_offset + r.nbytes],
+                                       checksum=want is not None)
+                   for r in runs]
         IOEngine.wait_all(handles)
+        if want is not None and handles[0].crc32 != want:
+            r = runs[0]
+            raise StreamError(f"checksum mismatch in streamed weights of block {i}: {r.path}, "
+                              f"{r.nbytes} bytes at offset {r.offset}: recorded crc32 {want:08x}, "
+                              f"read back {handles[0].crc32:08x}; the file is corrupt")
 
     def _fill_host(self, i: int, flat: torch.Tensor) -> None:
         """Fill a CPU flat buffer (compute dtype) with block i's weights from its source."""

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nvme.io import CHECKSUM
 from offload.blocks import Block
 from offload.stream import BlockStreamer, TensorRange
 from offload.tiers import MemoryAccount, host_empty
@@ -97,7 +98,7 @@ class TrainingStreamer:
                                       host_ahead=host_ahead, nvme_ahead=nvme_ahead,
                                       io=store.engine if store is not None else None, pin=pin,
                                       zero_copy_host=False, fetch_delay_s=fetch_delay_s,
-                                      host_flats=host_flats)
+                                      host_flats=host_flats, expected_crc32=self._expected_crc32)
         # the streamer may have replaced Parameter objects (meta / other dtype): the engine's
         # slots must name the ones the model now holds
         for li in range(n):
@@ -117,6 +118,14 @@ class TrainingStreamer:
                 with_kwargs=True))
             self._hooks.append(layer.register_forward_hook(
                 lambda m, args, out, li=li: self._after_forward(li, out)))
+
+    def _expected_crc32(self, li: int) -> int | None:
+        """The CRC-32 of layer li's latest weights file (the store records it at each write),
+        when the store verifies reads."""
+        if self.store is None or self.store.verify == "never":
+            return None
+        entry = self.store.info(self.name(self.blocks[self.layer_block[li]]))
+        return entry.crc32 if entry.checksum == CHECKSUM else None  # the streamer's kind
 
     @staticmethod
     def name(block: Block) -> str:

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from offload.config import format_bytes
 from runners.common import Parser, fail, run_main, select_device, writable_dir
+from runners.rundir import RunDirectory, check_resume, check_run_paths, trajectory
 
 DEFAULTS = dict(model="tiny", offload="cpu", dtype="fp32", steps=100, batch_size=16,
                 micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
@@ -86,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "layout), checkpoint/ (resumable), metrics.jsonl, loss.png")
     ap.add_argument("--resume", default=None, help="continue from a checkpoint (an --output dir or its "
                     "checkpoint/ dir); the model and data must be the same")
+    ap.add_argument("--overwrite", action="store_true", help="start over in an --output that holds a "
+                    "previous run (its checkpoint, model, metrics and data are deleted first); without "
+                    "it such a directory is refused unless --resume continues the run")
     ap.add_argument("--stop-after", type=int, default=None, help="stop after this many updates of this "
                     "invocation and save a resumable checkpoint (wall-time-limited jobs); the learning-rate "
                     "schedule still spans --steps")
@@ -129,6 +134,8 @@ def check_args(args: argparse.Namespace) -> None:
              "--activation-checkpointing")
     if args.delayed_update_warmup < 0:
         fail(f"--delayed-update-warmup must be >= 0, got {args.delayed_update_warmup}")
+    if args.resume is not None and args.overwrite:
+        fail("--resume continues a run and --overwrite starts one over: give one of them")
     if args.stop_after is not None and args.stop_after < 1:
         fail(f"--stop-after must be at least 1, got {args.stop_after}")
     if args.warmup_steps < 0 or args.eval_every < 0 or args.save_every < 0:
@@ -294,10 +301,7 @@ def evaluate(model, data, micro_batch: int, device: torch.device) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import offload
     from offload.blocks import group_blocks
-    from offload.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
-    from offload.data import BatchOrder, pack, tokenize_to_disk
     from offload.tiers import BudgetError
     from offload.train_plan import (choose_training_config, estimator_table,
                                     llama_activation_estimate, plan_training)
@@ -331,6 +335,24 @@ def run(args: argparse.Namespace) -> int:
     if cfg.nvme_dir is not None:
         writable_dir(cfg.nvme_dir, "--offload-dir")
     plan.check()
+    metrics_path = args.metrics or os.path.join(args.output, "metrics.jsonl")
+    check_run_paths(args.output, args.metrics, cfg.nvme_dir, args.data)
+    rundir = RunDirectory(args.output)
+    rundir.lock()  # held until the process ends: one run per --output, whatever the tier
+    try:
+        return _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, rundir,
+                           metrics_path)
+    finally:
+        rundir.release()
+
+
+def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, rundir,
+                metrics_path) -> int:
+    import offload
+    from offload.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
+    from offload.data import BatchOrder, pack, tokenize_to_disk
+
+    rundir.prepare(resume=args.resume, overwrite=args.overwrite, metrics_path=metrics_path)
 
     resume_dir = find_checkpoint(args.resume) if args.resume else None
     trainer: dict[str, Any] = load_trainer_state(resume_dir) if resume_dir else {}
@@ -338,6 +360,9 @@ def run(args: argparse.Namespace) -> int:
         fail(f"--resume {args.resume}: the checkpoint is from a different model "
              f"({trainer.get('model_config', {}).get('architectures')}, "
              f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
+    now = trajectory(args, cfg, micro)
+    if trainer:
+        check_resume(trainer.get("trajectory"), now, args.resume)
 
     stream = tokenize_to_disk(args.data, tokenizer, os.path.join(args.output, "data"),
                               vocab_size=model_cfg.vocab_size)
@@ -349,26 +374,39 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     engine = offload.initialize(model, cfg, source=source)
     if resume_dir:
-        engine.load_state(os.path.join(resume_dir, "engine"))
+        try:
+            engine.load_state(os.path.join(resume_dir, "engine"))
+            if engine.global_step != trainer["step"]:
+                fail(f"--resume {args.resume}: the checkpoint is inconsistent: its engine state is "
+                     f"at update {engine.global_step}, its trainer state at update "
+                     f"{trainer['step']}; resume from another checkpoint")
+        except BaseException:
+            engine.close(after_error=True)  # in-process callers get the swap lock back
+            raise
         set_rng_state(trainer["rng"])
         print(f"resumed from {resume_dir} at update {engine.global_step}")
     history: list[dict[str, Any]] = trainer.get("history", [])
     stop = StopRequested()
     try:
-        return _train(args, engine, model, model_cfg, data, order, stream.fingerprint, tokenizer,
-                      micro, device, cfg, stop, trainer, resume_dir, history)
-    finally:
+        rc = _train(args, engine, model, model_cfg, data, order, stream.fingerprint, tokenizer,
+                    micro, device, cfg, stop, trainer, resume_dir, history, metrics_path, now)
+    except BaseException:
         stop.restore()
-        engine.close()  # also on errors: in-process callers must get the swap lock back
+        # in-process callers must get the swap lock back; a failure while closing (a write
+        # that the first error broke) must not hide the first error and its advice
+        engine.close(after_error=True)
+        raise
+    stop.restore()
+    engine.close()
+    return rc
 
 
 def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, micro, device, cfg,
-           stop, trainer, resume_dir, history) -> int:
+           stop, trainer, resume_dir, history, metrics_path, now) -> int:
     from offload.checkpoint import rng_state, save_checkpoint
     from offload.data import masked_lm_loss
     from runners.report import summary_table, write_loss_plot
 
-    metrics_path = args.metrics or os.path.join(args.output, "metrics.jsonl")
     if resume_dir:  # rows past the checkpoint belong to updates that are about to be redone
         _truncate_metrics(metrics_path, engine.global_step)
     metrics = open(metrics_path, "a" if resume_dir else "w")
@@ -378,7 +416,7 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
     def checkpoint() -> str:
         state = {"step": engine.global_step, "data_position": order.position, "rng": rng_state(),
                  "history": history, "model_config": model_cfg.to_hf(),
-                 "data_fingerprint": fingerprint,
+                 "data_fingerprint": fingerprint, "trajectory": now,
                  "eval_loss0": eval_loss0,
                  "args": {k: v for k, v in vars(args).items()}}
         return save_checkpoint(os.path.join(args.output, "checkpoint"), engine, model_cfg, state,
@@ -421,9 +459,10 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
         if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
             with engine.latest_weights():  # a pending delayed update's, trajectory unchanged
                 row["eval_loss"] = evaluate(model, data, micro, device)
+        row = finite_or_null(row)  # inf/nan (a skipped update's loss) as null: valid JSON
         history.append({k: row[k] for k in ("step", "loss") if k in row} |
                        ({"eval_loss": row["eval_loss"]} if "eval_loss" in row else {}))
-        metrics.write(json.dumps(row) + "\n")
+        metrics.write(json.dumps(row, allow_nan=False) + "\n")
         metrics.flush()
         if progress is not None:
             progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
@@ -453,11 +492,31 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
                     extra_files=tokenizer.files())
     eval_final = next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None)
     print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final))
+    if engine.skipped_steps:
+        print(f"skipped updates (inf/nan loss or gradients): {engine.skipped_steps}")
     png = write_loss_plot(history, os.path.join(args.output, "loss.png"))
     print(f"model (Hugging Face layout): {final_model}\ncheckpoint: {path}\nmetrics: {metrics_path}"
           + (f"\nloss curve: {png}" if png else ""))
     engine.close()
+    if cfg.nvme_dir is not None and os.path.isdir(cfg.nvme_dir):
+        # the finished run's swap files duplicate the checkpoint (a --resume writes them anew
+        # from it): free the space, deleting only the files the store created
+        from nvme import SwapStore
+        freed = SwapStore(cfg.nvme_dir, verify="never", durable=False).destroy()
+        print(f"swap: removed {format_bytes(freed)} of swap files from {cfg.nvme_dir} (the "
+              f"checkpoint holds the state)")
     return 0
+
+
+def finite_or_null(value):
+    """`value` with every inf/nan float replaced by None (JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 def _truncate_metrics(path: str, step: int) -> None:

@@ -19,6 +19,9 @@ from hypothesis import given, settings, strategies as st
 
 import nvme.io
 from nvme import ALIGN, IOEngine, IOEngineError, IOHandle, aligned_empty, crc32_combine
+from nvme.io import CHECKSUM, CRC_FUNCS, crc_combine
+
+crc = CRC_FUNCS[CHECKSUM]  # what checksum=True computes (CRC-32C where the crc32c package is)
 from nvme.format import DTYPE_FROM_NAME, tensor_bytes
 from nvme.io import _BOUNCE, _BUFFERED, _DIRECT
 
@@ -65,6 +68,24 @@ def test_crc32_combine_matches_zlib(a, b, seed):
     assert crc32_combine(zlib.crc32(a, seed), zlib.crc32(b), len(b)) == zlib.crc32(b, zlib.crc32(a, seed))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=3000), st.binary(max_size=3000), st.integers(0, 2**32 - 1))
+def test_crc_combine_for_every_kind(a, b, seed):
+    for name, fn in CRC_FUNCS.items():
+        assert crc_combine(fn(a, seed), fn(b), len(b), name) == fn(b, fn(a, seed)), name
+
+
+def test_checksum_is_crc32c_and_both_kinds_can_be_asked_for(tmp_path):
+    assert CHECKSUM == "crc32c"  # the declared dependency is installed
+    t = torch.arange(50_000, dtype=torch.int32)
+    with IOEngine(threads=2, block_bytes=2 * ALIGN) as eng:
+        eng.submit_write(tmp_path / "f", 0, t).wait()
+        for name, fn in CRC_FUNCS.items():
+            out = torch.empty_like(t)
+            h = eng.submit_read(tmp_path / "f", 0, out, checksum=name).wait()
+            assert (h.checksum, h.crc32) == (name, fn(tensor_bytes(t)))
+
+
 def test_crc32_combine_long_lengths():
     a, b = os.urandom(100), bytes(5_000_000) + os.urandom(7)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
@@ -81,11 +102,11 @@ def test_round_trip_every_dtype_odd_sizes_and_offsets(tmp_path, direct):
                     src = random_tensor(numel, dtype, gen)
                     h = eng.submit_write(path, offset, src, checksum=True)
                     assert h.wait() is h and h.done()
-                    assert h.crc32 == zlib.crc32(tensor_bytes(src))
+                    assert h.crc32 == crc(tensor_bytes(src))
                     out = torch.empty_like(src)
                     h = eng.submit_read(path, offset, out, checksum=True).wait()
                     assert torch.equal(out.view(torch.uint8), src.view(torch.uint8)), (dtype, numel, offset)
-                    assert h.crc32 == zlib.crc32(tensor_bytes(src))
+                    assert h.crc32 == crc(tensor_bytes(src))
         assert eng.direct_supported(tmp_path) == (direct == "auto")
 
 
@@ -132,7 +153,7 @@ def test_many_concurrent_requests(tmp_path):
         eng.wait_all(handles)
         for (o, t), out, h in zip(spans, outs, handles):
             assert torch.equal(out, t), o
-            assert h.crc32 == zlib.crc32(tensor_bytes(t))
+            assert h.crc32 == crc(tensor_bytes(t))
         assert eng.bytes_written == eng.bytes_read == sum(t.numel() for _, t in spans)
 
 

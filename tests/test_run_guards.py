@@ -1,0 +1,195 @@
+"""The fine-tuning runner never ends in exit 0 with a wrong or destroyed result: damaged swap
+reads stop the run (optimizer state and streamed weights), inf/nan losses are skipped and
+logged as valid JSON, a diverged run stops without replacing its last good checkpoint, the
+output directory is locked and never started over by accident, a resume refuses every setting
+that would make it diverge, and the swap store touches only the files it created."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import offload
+from nvme import SwapStore
+from nvme.swap import SwapError
+from offload.stream import StreamError
+from runners.common import run_main
+from runners.finetune import main as finetune_main
+from runners.rundir import RunDirectory
+from test_engine import MLP, _cfg, mlp_batches, mlp_loss
+
+FAST = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0",
+        "--no-progress", "--warmup-steps", "1"]
+
+
+def finetune(argv, capsys) -> tuple[int, str]:
+    """(exit code, last stderr line); what it printed is kept in finetune.out."""
+    rc = run_main(finetune_main, argv)
+    captured = capsys.readouterr()
+    finetune.out = captured.out
+    err = captured.err.strip().splitlines()
+    return rc, (err[-1] if err else "")
+
+
+def strict_rows(path) -> list[dict]:
+    """metrics.jsonl parsed as standard JSON (NaN / Infinity tokens refused)."""
+    def bad(token):
+        raise ValueError(f"not JSON: {token}")
+    with open(path) as f:
+        return [json.loads(line, parse_constant=bad) for line in f]
+
+
+def flip_byte(path: str, from_end: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-from_end, os.SEEK_END)
+        b = f.read(1)[0]
+        f.seek(-from_end, os.SEEK_END)
+        f.write(bytes([b ^ 0x01]))
+
+
+# ---- verified swap reads --------------------------------------------------------------------
+def test_a_damaged_optimizer_state_read_stops_training(tmp_path):
+    model = MLP()
+    engine = offload.initialize(model, _cfg("nvme", tmp_path, grad_clip=1.0))
+    batches = mlp_batches(3)
+    engine.backward(mlp_loss(model, batches[0]))
+    engine.step()
+    engine.state.drain()  # the step's writes are on disk; nothing read ahead yet
+    victim = os.path.join(tmp_path / "swap", sorted(
+        f for f in os.listdir(tmp_path / "swap") if f.endswith("master.safetensors"))[0])
+    flip_byte(victim)
+    with pytest.raises(SwapError, match="checksum mismatch"):
+        engine.backward(mlp_loss(model, batches[1]))
+        engine.step()
+    engine.close()
+
+
+def test_damaged_streamed_weights_stop_training(tmp_path):
+    from offload.models import build_model, preset
+    model = build_model(preset("tiny"), "cpu", torch.float32, source=0)
+    engine = offload.initialize(model, _cfg("nvme", tmp_path, offload_params="nvme",
+                                            activation_checkpointing=True))
+    ids = torch.randint(0, 100, (2, 16))
+    loss = model(ids).float().mean()
+    engine.backward(loss)
+    engine.step()
+    weights = sorted(f for f in os.listdir(tmp_path / "swap") if f.endswith("weights16.safetensors"))
+    flip_byte(os.path.join(tmp_path / "swap", weights[0]))
+    with pytest.raises(StreamError, match="checksum mismatch in streamed weights"):
+        model(ids)
+    engine.close()
+
+
+# ---- inf/nan losses in the runner -----------------------------------------------------------
+def _nan_at(monkeypatch, steps: set[int]):
+    import offload.data as data
+    real, calls = data.masked_lm_loss, [0]
+
+    def loss(*a, **k):
+        out = real(*a, **k)
+        if out.requires_grad:  # training micro-batches, not evaluation
+            calls[0] += 1
+            if calls[0] in steps:
+                return out * float("nan")
+        return out
+    monkeypatch.setattr(data, "masked_lm_loss", loss)
+
+
+def test_nan_losses_are_skipped_and_logged_as_null(tmp_path, monkeypatch, capsys):
+    _nan_at(monkeypatch, {3, 4})
+    out = tmp_path / "run"
+    rc, _ = finetune(["--output", str(out), *FAST], capsys)
+    assert rc == 0
+    rows = strict_rows(out / "metrics.jsonl")
+    # a skipped update is logged and redone on the next batch (as an fp16 overflow is)
+    assert [r["applied"] for r in rows] == [True, True, False, False, True, True, True, True]
+    assert rows[2]["loss"] is None and rows[3]["step"] == 2 and rows[-1]["step"] == 6
+    assert "skipped updates (inf/nan loss or gradients): 2" in finetune.out
+
+
+def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    _nan_at(monkeypatch, set(range(5, 1000)))
+    out = tmp_path / "run"
+    rc, err = finetune(["--output", str(out), *FAST, "--steps", "30", "--save-every", "2",
+                        "--config", str(_write(tmp_path / "c.json", {"max_nonfinite_skips": 4}))],
+                       capsys)
+    assert rc == 2 and "4 updates in a row skipped" in err, err
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 4
+    strict_rows(out / "metrics.jsonl")
+
+
+def _write(path, obj):
+    path.write_text(json.dumps(obj))
+    return path
+
+
+# ---- the output directory -------------------------------------------------------------------
+def test_output_directory_is_guarded(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert finetune(["--output", out, *FAST, "--offload", "cpu"], capsys)[0] == 0
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    rc, err = finetune(["--output", out, *FAST, "--offload", "cpu"], capsys)
+    assert rc == 2 and "already holds a run" in err and "--overwrite" in err, err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before  # untouched
+    assert finetune(["--output", out, *FAST, "--offload", "cpu", "--overwrite"], capsys)[0] == 0
+    rc, err = finetune(["--output", out, *FAST, "--resume", out, "--overwrite"], capsys)
+    assert rc == 2 and "give one of them" in err
+    # another run holds the directory (any tier)
+    held = RunDirectory(out)
+    held.lock()
+    try:
+        rc, err = finetune(["--output", out, *FAST, "--resume", out], capsys)
+        assert rc == 2 and "in use by another run" in err, err
+    finally:
+        held.release()
+    data = tmp_path / "d.txt"
+    data.write_text("some text to learn from\n\nand more of it\n" * 20)
+    for argv, msg in ((["--metrics", f"{out}/checkpoint/m.jsonl"], "which every checkpoint save replaces"),
+                      (["--offload", "nvme", "--offload-dir", f"{out}/model/swap"], "every checkpoint save"),
+                      (["--data", str(data), "--metrics", str(data)], "overlaps the training data"),
+                      (["--data", str(tmp_path), "--offload", "nvme", "--offload-dir", str(tmp_path)],
+                       "overlaps the training data")):
+        rc, err = finetune(["--output", out, "--overwrite", *FAST, *argv], capsys)
+        assert rc == 2 and msg in err, (argv, err)
+    assert (tmp_path / "run" / "checkpoint" / "trainer_state.json").is_file()  # refused first
+
+
+def test_resume_refuses_changed_settings_and_inconsistent_checkpoints(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert finetune(["--output", out, *FAST, "--stop-after", "2"], capsys)[0] == 0
+    for flag, value in (("--seq-len", "16"), ("--seed", "5"), ("--lr", "0.5"), ("--steps", "9"),
+                        ("--micro-batch-size", "2"), ("--dtype", "bf16")):
+        argv = [a for a in FAST]
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+        rc, err = finetune(["--output", out, *argv, "--resume", out], capsys)
+        assert rc == 2 and flag in err and "the checkpoint has" in err, (flag, err)
+    meta_path = os.path.join(out, "checkpoint", "engine", "engine_state.json")
+    meta = json.load(open(meta_path))
+    meta["global_step"] = 10**30
+    _write(tmp_path / "x", meta).replace(meta_path)
+    rc, err = finetune(["--output", out, *FAST, "--resume", out], capsys)
+    assert rc == 2 and "inconsistent" in err, err
+
+
+# ---- the swap store touches only its own files ----------------------------------------------
+def test_swap_store_leaves_other_files_alone(tmp_path, capsys):
+    swap = tmp_path / "mine"
+    swap.mkdir()
+    (swap / "notes.safetensors.tmp").write_bytes(b"my own file")
+    (swap / "keep.txt").write_text("mine")
+    out = str(tmp_path / "run")
+    rc, _ = finetune(["--output", out, *FAST, "--offload", "nvme", "--offload-dir", str(swap)], capsys)
+    assert rc == 0
+    assert sorted(os.listdir(swap)) == ["keep.txt", "notes.safetensors.tmp"]  # swap files removed
+    assert (swap / "notes.safetensors.tmp").read_bytes() == b"my own file"
+    (swap / "LOCK").write_text("a file of mine called LOCK\n")
+    with pytest.raises(SwapError, match="not a lock file of this program"):
+        SwapStore(str(swap))
+    assert (swap / "LOCK").read_text() == "a file of mine called LOCK\n"
