@@ -145,9 +145,9 @@ def _trainer_state_problem(state: Any) -> str | None:
         return f"'step' must be an integer >= 0, got {str(state.get('step'))[:40]!r}"
     if not _is_count(state.get("data_position", 0)):
         return f"'data_position' must be an integer >= 0, got {str(state.get('data_position'))[:40]!r}"
-    rng = state.get("rng", {})
-    if not isinstance(rng, dict):
-        return "'rng' must be an object of base64 RNG states"
+    rng = state.get("rng")
+    if not isinstance(rng, dict) or "torch" not in rng:
+        return "'rng' must be an object of base64 RNG states with a 'torch' entry"
     want = torch.get_rng_state().numel()
     for key, value in rng.items():
         for v in (value if key == "cuda" and isinstance(value, list) else [value]):

@@ -71,7 +71,26 @@ class Example:
 
 # ---- reading ----------------------------------------------------------------------------------
 def _example(obj: Any, where: str) -> Example | None:
-    """The example a JSON object describes (None for an empty text)."""
+    """The example a JSON object describes (None for an empty text), its text valid Unicode."""
+    ex = _parse_example(obj, where)
+    if ex is not None:
+        for text in [ex.text] if ex.text is not None else [m["content"] for m in ex.messages]:
+            check_unicode(text, where)
+    return ex
+
+
+def check_unicode(text: str, where: str) -> None:
+    """JSON's \\ud800-style escapes can spell lone surrogates, which are not text: refuse them
+    here, with the line, rather than deep inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: character {e.start} is a lone surrogate ({text[e.start]!r}), "
+                        f"not valid Unicode; surrogate escapes (\\ud800-\\udfff) must come in "
+                        f"high-low pairs") from None
+
+
+def _parse_example(obj: Any, where: str) -> Example | None:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: each example must be a JSON object")
     if "messages" in obj or "conversations" in obj:
@@ -189,9 +208,14 @@ def _read_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[Example]
 
 def _read_txt(path: str) -> Iterator[Example]:
     """Documents separated by blank lines, read a paragraph at a time."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, "rb") as f:
         para: list[str] = []
-        for line in f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of "
+                                f"the line); re-encode the file as UTF-8") from None
             if line.strip():
                 para.append(line)
             elif para:
@@ -444,7 +468,8 @@ class BatchOrder:
         self.num_sequences, self.seed, self.position = num_sequences, seed, position
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        # kept below 2**63 for any seed the runner accepts (unchanged for seeds below ~9e12)
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (1 << 63))
         return torch.randperm(self.num_sequences, generator=g)
 
     def take(self, count: int) -> torch.Tensor:

@@ -96,8 +96,10 @@ def load_state(engine: "Engine", directory: str) -> None:
     except FileNotFoundError:
         raise StateError(f"{directory}: no engine_state.json — not a saved training state "
                          f"(or the save was interrupted)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise StateError(f"{meta_path}: unreadable ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # bad JSON or UTF-8, deep nesting
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise StateError(f"{meta_path}: unreadable ({reason}); the saved state is damaged — "
+                         f"resume from another checkpoint") from None
     if not isinstance(meta, dict) or meta.get("format") != "offload-engine-state":
         raise StateError(f"{meta_path}: not an offload engine state")
     if engine.delayed is not None:
@@ -111,7 +113,8 @@ def load_state(engine: "Engine", directory: str) -> None:
                       ("loss_scale", (int, float)), ("lr", (int, float))):
         value = meta.get(key)
         if isinstance(value, bool) or not isinstance(value, kind) or (
-                isinstance(value, float) and not math.isfinite(value)) or value < 0:
+                isinstance(value, float) and not math.isfinite(value)) or value < 0 or (
+                key == "loss_scale" and value == 0):
             raise StateError(f"{meta_path}: {key!r} is missing or not a valid number "
                              f"({value!r}); the saved state is damaged — resume from "
                              f"another checkpoint")
@@ -126,6 +129,12 @@ def load_state(engine: "Engine", directory: str) -> None:
         raise StateError(f"{meta_path}: saved with dtype {meta.get('dtype')!r}, this engine runs "
                          f"{engine.cfg.dtype!r} (the loss scale and gradient rounding differ); "
                          f"resume with the dtype it was saved with")
+    if meta["micro_step"] % engine.cfg.grad_accum_steps or \
+            meta["micro_step"] < meta["global_step"] * engine.cfg.grad_accum_steps:
+        raise StateError(f"{meta_path}: micro_step {meta['micro_step']} does not fit global_step "
+                         f"{meta['global_step']} with grad_accum_steps "
+                         f"{engine.cfg.grad_accum_steps} (states are saved at an update "
+                         f"boundary); the saved state is damaged or from another configuration")
     pending = meta.get("delayed_pending", False)
     if not isinstance(pending, bool):
         raise StateError(f"{meta_path}: 'delayed_pending' must be true or false, got "

@@ -52,7 +52,13 @@ class SamplingParams:
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [B, V] fp32 -> temperature-scaled logits with the tokens top-k / top-p exclude set
     to -inf."""
-    logits = logits / params.temperature
+    scaled = logits / params.temperature
+    if not bool(torch.isfinite(scaled).all()) and bool(torch.isfinite(logits).all()):
+        # a temperature so small that logits / t overflows (1e-45): shifting by the row's
+        # maximum first keeps the same distribution in range (the top token(s) at 0, the rest
+        # at -inf), which is what such a temperature means
+        scaled = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    logits = scaled
     V = logits.shape[-1]
     if 0 < params.top_k < V:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [B, 1]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
@@ -44,6 +45,59 @@ Message = Mapping[str, str]
 
 class TokenizerError(ValueError):
     """The tokenizer files are missing, broken, or cannot do what was asked."""
+
+
+TEMPLATE_SECONDS = 5.0  # a chat template renders in microseconds; a stranger's may try to hang
+TEMPLATE_MAX_CHARS = 1 << 24  # 16 M characters: far past any context window
+
+
+def _bounded_sandbox(base):
+    """The sandbox with a time and size budget for one render: every loop step over a range,
+    every output chunk and every `*` / `**` (string repetition, huge powers) is checked, so a
+    template with nested loops or a huge string fails in one line instead of hanging or
+    exhausting memory."""
+    import jinja2
+    from jinja2.sandbox import SecurityError
+
+    class Bounded(base):
+        intercepted_binops = frozenset(["*", "**"])
+        deadline = float("inf")
+
+        def check(self, size: int = 0) -> None:
+            if time.monotonic() > self.deadline:
+                raise SecurityError(f"the chat template ran past {TEMPLATE_SECONDS:g} s")
+            if size > TEMPLATE_MAX_CHARS:
+                raise SecurityError(f"the chat template wrote more than {TEMPLATE_MAX_CHARS} "
+                                    f"characters")
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+                raise SecurityError("the chat template raises a number to a power over 64")
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
+                            len(seq) * n > TEMPLATE_MAX_CHARS:
+                        raise SecurityError("the chat template builds a string or list over "
+                                            f"{TEMPLATE_MAX_CHARS} long")
+            return super().call_binop(context, operator, left, right)
+
+    def bounded_range(*args):
+        for i in jinja2.sandbox.safe_range(*args):
+            env_check()
+            yield i
+
+    env_holder: list = []
+
+    def env_check() -> None:
+        env_holder[0].check()
+
+    class WithRange(Bounded):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            env_holder.append(self)
+            self.globals["range"] = bounded_range
+
+    return WithRange
 
 
 def _token_text(value: Any) -> str | None:
@@ -191,17 +245,30 @@ class Tokenizer:
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self._tok.token_to_id(text)
 
+    def _rust(self, fn, *args, **kwargs):
+        """A call into the Rust tokenizer: its errors (a TypeError for a lone surrogate) and its
+        panics (pyo3's PanicException is a BaseException, past `except Exception`) become one
+        TokenizerError naming the tokenizer."""
+        try:
+            return fn(*args, **kwargs)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - see above
+            raise TokenizerError(f"{self.source}: the tokenizer failed on this text "
+                                 f"({type(e).__name__}: {str(e)[:200]})") from None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._rust(self._tok.encode, text, add_special_tokens=add_special_tokens).ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids of `text` as written (special tokens it spells are kept, none added) and each
         token's (start, end) character span in it."""
-        enc = self._tok.encode(text, add_special_tokens=False)
+        enc = self._rust(self._tok.encode, text, add_special_tokens=False)
         return enc.ids, enc.offsets
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [e.ids for e in self._rust(self._tok.encode_batch, texts,
+                                           add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -233,9 +300,10 @@ class Tokenizer:
             return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
-        # The environment settings transformers renders with, so whitespace matches byte for byte.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        # The environment settings transformers renders with, so whitespace matches byte for byte;
+        # bounded (a template comes with a stranger's checkpoint): see _bounded_sandbox
+        env = _bounded_sandbox(ImmutableSandboxedEnvironment)(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -245,8 +313,14 @@ class Tokenizer:
         special.setdefault("eos_token", self.eos_token or "")
         try:
             template = env.from_string(self.chat_template)
-            return template.render(messages=check_messages(messages),
-                                   add_generation_prompt=add_generation_prompt, **special)
+            env.deadline = time.monotonic() + TEMPLATE_SECONDS
+            out, size = [], 0
+            for chunk in template.generate(messages=check_messages(messages),
+                                           add_generation_prompt=add_generation_prompt, **special):
+                size += len(chunk)
+                env.check(size)
+                out.append(chunk)
+            return "".join(out)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template cannot be rendered: {str(e)[:200]}") from None
 

@@ -43,6 +43,16 @@ def expected_errors() -> tuple[type[BaseException], ...]:
             DataError, StateError, CheckpointNotFound)
 
 
+def note_unused_tensors(reader) -> None:
+    """Say so when a checkpoint holds tensors the model never reads (a different architecture's
+    extras, an adapter left merged in): ignored, but not without a word."""
+    unused = getattr(reader, "unexpected", [])
+    if unused:
+        shown = ", ".join(unused[:3]) + (f", ... ({len(unused)} in all)" if len(unused) > 3 else "")
+        print(f"note: {reader.path}: {len(unused)} stored tensor(s) are not used by "
+              f"{reader.config.architecture} and are ignored: {shown}", file=sys.stderr)
+
+
 def fail(message: str) -> NoReturn:
     """Stop with bad input: `error: message` on stderr, exit code 2 (through run_main)."""
     raise RunnerError(message)

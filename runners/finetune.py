@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from offload.config import format_bytes
-from runners.common import Parser, fail, run_main, select_device, writable_dir
+from runners.common import Parser, fail, note_unused_tensors, run_main, select_device, writable_dir
 from runners.rundir import RunDirectory, check_resume, check_run_paths, trajectory
 
 DEFAULTS = dict(model="tiny", offload="cpu", dtype="fp32", steps=100, batch_size=16,
@@ -237,6 +237,7 @@ def load_model(args: argparse.Namespace):
     path = resolve_checkpoint(args.model)
     if path is not None:
         reader = CheckpointReader(path)
+        note_unused_tensors(reader)
         cfg, source = reader.config, reader
         tokenizer = load_tokenizer(path) or ByteTokenizer()
     else:
@@ -521,8 +522,8 @@ def finite_or_null(value):
 
 def _truncate_metrics(path: str, step: int) -> None:
     """Keep only the metrics rows of updates up to `step` (atomically rewritten)."""
-    try:
-        with open(path) as f:
+    try:  # a damaged byte spoils its line only (kept with U+FFFD, or dropped as torn)
+        with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.readlines()
     except FileNotFoundError:
         return

@@ -29,7 +29,8 @@ from offload.stream import load_streamed
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,
-                            dtype_label, run_main, select_device, select_dtype, writable_dir)
+                            dtype_label, note_unused_tensors, run_main, select_device,
+                            select_dtype, writable_dir)
 
 DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
 MAX_BATCH = 1 << 16  # one prompt is repeated this many times in memory before any plan
@@ -94,6 +95,7 @@ def resolve_model(args, dtype: torch.dtype) -> tuple[ModelConfig, str | None, bo
                               f"checkpoint directory or a preset name)")
         name = gguf_checkpoint_dir(name, dtype)
     with CheckpointReader(name) as reader:  # CheckpointError: no config.json, bad arch, ...
+        note_unused_tensors(reader)
         return reader.config, name, False
 
 
@@ -134,9 +136,19 @@ def read_prompts(args, tokenizer, cfg: ModelConfig) -> list[list[int]]:
             raise RunnerError(f"--prompt-file {args.prompt_file}: not a regular text file "
                               f"of at most {format_bytes(MAX_PROMPT_FILE_BYTES)}")
         try:
-            texts += [line for line in raw.decode().splitlines() if line.strip()]
+            lines = [line for line in raw.decode().splitlines() if line.strip()]
         except UnicodeDecodeError as e:
             raise RunnerError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e})") from None
+        if not lines:
+            raise RunnerError(f"--prompt-file {args.prompt_file}: holds no prompt (every line is "
+                              f"blank); write one prompt per line")
+        texts += lines
+    for k, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (surrogateescape)
+            raise RunnerError(f"prompt {k + 1} is not valid UTF-8 text; pass UTF-8 (or token ids "
+                              f"with --prompt-ids)") from None
     if texts and tokenizer is None:
         raise RunnerError("text prompts need a tokenizer.json in the model directory, which this "
                           "model lacks; give token ids with --prompt-ids 1,2,3")
@@ -186,6 +198,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     cfg, path, is_random = resolve_model(args, dtype)
     tokenizer = None if is_random else load_tokenizer(path)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise RunnerError(f"the tokenizer of {path} has {tokenizer.vocab_size} tokens, more than "
+                          f"the model's vocabulary of {cfg.vocab_size}: its ids would index past "
+                          f"the embedding (tokenizer and weights do not belong together)")
+    if tokenizer is not None and tokenizer.vocab_size < cfg.vocab_size:
+        print(f"note: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
+              f"{cfg.vocab_size} (padded); generated ids past the tokenizer decode to nothing",
+              file=sys.stderr)
     if args.interactive:
         if tokenizer is None or tokenizer.chat_template is None:
             raise RunnerError("--interactive needs a model whose tokenizer has a chat template "

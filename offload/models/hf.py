@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
@@ -79,6 +80,9 @@ def allowed_roots(path: str) -> list[str]:
     if os.path.basename(os.path.dirname(real)) == "snapshots":
         roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
     return roots
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class CheckpointReader:
@@ -202,6 +206,15 @@ class CheckpointReader:
 
     def _check_against_config(self) -> None:
         cfg, config_path = self.config, os.path.join(self.path, CONFIG_NAME)
+        # counted before the expected names are listed: a 700-byte config.json asking for 10^7
+        # layers must not make us build 10^8 names (or a model) before saying no
+        layers = {int(m.group(1)) for n in self.locations
+                  if (m := _LAYER_NAME.match(n)) is not None}
+        if cfg.num_hidden_layers != len(layers):
+            raise CheckpointError(f"{config_path}: num_hidden_layers is {cfg.num_hidden_layers}, but "
+                                  f"the weights hold tensors of {len(layers)} layers (config.json "
+                                  f"and weights do not belong together, or the checkpoint is "
+                                  f"truncated)")
         expected = parameter_shapes(cfg)
         for name, shape in expected.items():
             loc = self.locations.get(name)
