@@ -277,8 +277,18 @@ class IOEngine:
         self.bytes_written = 0
         self._workers = [threading.Thread(target=self._work, name=f"nvme-io-{i}", daemon=True)
                          for i in range(self.threads)]
-        for w in self._workers:
-            w.start()
+        for i, w in enumerate(self._workers):
+            try:
+                w.start()
+            except RuntimeError as e:  # "can't start new thread": no room for its stack
+                self._workers = self._workers[:i]
+                self.close()
+                err = IOEngineError("start", "", 0, 0, str(e))
+                err.strerror = (f"cannot start IO thread {i + 1} of {self.threads} ({e}): an "
+                                f"address-space or thread limit (ulimit -v / -u) leaves no room "
+                                f"for another thread's stack; raise the limit or use fewer IO "
+                                f"threads (io_threads)")
+                raise err from None
 
     # -- public API ----------------------------------------------------------------------------
     def submit_read(self, path, offset: int, buf, *, checksum: bool | str = False,

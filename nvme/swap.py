@@ -320,6 +320,18 @@ class SwapStore:
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize
 
+    def stored_bytes(self) -> int:
+        """Bytes of this store's files on disk now (what rewriting every tensor reuses)."""
+        total = 0
+        with self._mutex:
+            files = [e.file for e in self._entries.values()]
+        for f in files:
+            try:
+                total += os.stat(os.path.join(self.dir, f)).st_size
+            except OSError:
+                pass
+        return total
+
     def preflight(self, total_bytes: int) -> int:
         """Check that `total_bytes` more can be written here; returns the free bytes. The error
         says how much is needed and how much is free."""

@@ -131,23 +131,29 @@ def _parse_example(obj: Any, where: str) -> Example | None:
                     f"or 'instruction'/'output' fields, got keys {sorted(obj)[:8]}")
 
 
-def _read_jsonl(path: str) -> Iterator[Example]:
-    with open(path, "rb") as f:  # bytes, decoded per line: a bad byte is reported on its line
+def _utf8_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a file read as bytes and decoded per line: a bad byte is
+    reported on its line."""
+    with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                yield n, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason}); re-encode the file "
-                                f"as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except (ValueError, RecursionError) as e:
-                raise DataError(f"{path}:{n}: not valid JSON ({str(e)[:120]})") from None
-            ex = _example(obj, f"{path}:{n}")
-            if ex is not None:
-                yield ex
+                raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of "
+                                f"the line); re-encode the file as UTF-8") from None
+
+
+def _read_jsonl(path: str) -> Iterator[Example]:
+    for n, line in _utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({str(e)[:120]})") from None
+        ex = _example(obj, f"{path}:{n}")
+        if ex is not None:
+            yield ex
 
 
 def _read_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[Example]:
@@ -208,21 +214,15 @@ def _read_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[Example]
 
 def _read_txt(path: str) -> Iterator[Example]:
     """Documents separated by blank lines, read a paragraph at a time."""
-    with open(path, "rb") as f:
-        para: list[str] = []
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of "
-                                f"the line); re-encode the file as UTF-8") from None
-            if line.strip():
-                para.append(line)
-            elif para:
-                yield Example(text="".join(para).strip())
-                para = []
-        if para:
+    para: list[str] = []
+    for _, line in _utf8_lines(path):
+        if line.strip():
+            para.append(line)
+        elif para:
             yield Example(text="".join(para).strip())
+            para = []
+    if para:
+        yield Example(text="".join(para).strip())
 
 
 def data_files(path: str | None) -> list[str]:

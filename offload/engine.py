@@ -251,7 +251,10 @@ class Engine:
                       queue_depth=cfg.io_queue_depth)
         store = SwapStore(cfg.nvme_dir, engine=io, durable=cfg.swap_fsync,
                           verify="always" if cfg.verify_checksums else "never")
-        store.preflight(self.plan.total("nvme"))
+        # a resumed run rewrites the files a stopped one left: their space is reusable (one
+        # tensor at a time is written beside its old version, the largest block's worth)
+        largest = max(b.numel for b in self.blocks) * 4
+        store.preflight(max(self.plan.total("nvme") - store.stored_bytes(), largest))
         return store
 
     def _check_streamable(self) -> None:

@@ -520,7 +520,7 @@ def checkpoint_intact(out: str) -> str | None:
     for name in sorted(os.listdir(engine_dir)):
         if name.endswith(".safetensors"):
             with SafetensorsFile(os.path.join(engine_dir, name)) as f:
-                for key in f.keys():
+                for key in f.tensors:
                     if not bool(torch.isfinite(f.read(key)).all()):
                         return f"{ckpt}: {name} {key} holds inf/nan"
     return None

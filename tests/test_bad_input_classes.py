@@ -132,3 +132,19 @@ def test_tokenizer_panics_and_bad_text_are_tokenizer_errors(smollm2_hf):
     tok = Tokenizer.from_dir(smollm2_hf)
     with pytest.raises(TokenizerError, match="the tokenizer failed on this text"):
         tok.encode("abc \ud800")
+
+
+def test_no_room_for_io_threads_is_one_line(monkeypatch):
+    import threading
+
+    from nvme import IOEngine, IOEngineError
+    real, started = threading.Thread.start, []
+
+    def start(self):
+        if self.name.startswith("nvme-io-") and started:
+            raise RuntimeError("can't start new thread")
+        started.append(self)
+        real(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(IOEngineError, match=r"cannot start IO thread 2 of 4 .*ulimit"):
+        IOEngine(threads=4)

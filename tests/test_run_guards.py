@@ -172,10 +172,11 @@ def test_resume_refuses_changed_settings_and_inconsistent_checkpoints(tmp_path, 
         assert rc == 2 and flag in err and "the checkpoint has" in err, (flag, err)
     meta_path = os.path.join(out, "checkpoint", "engine", "engine_state.json")
     meta = json.load(open(meta_path))
-    meta["global_step"] = 10**30
-    _write(tmp_path / "x", meta).replace(meta_path)
-    rc, err = finetune(["--output", out, *FAST, "--resume", out], capsys)
-    assert rc == 2 and "inconsistent" in err, err
+    for step, msg in ((3, "inconsistent: its engine state is at update 3, its trainer state at "
+                          "update 2"), (10**30, "does not fit global_step")):
+        _write(tmp_path / "x", meta | {"global_step": step, "micro_step": min(step, 3)}).replace(meta_path)
+        rc, err = finetune(["--output", out, *FAST, "--resume", out], capsys)
+        assert rc == 2 and msg in err, err
 
 
 # ---- the swap store touches only its own files ----------------------------------------------
@@ -193,3 +194,17 @@ def test_swap_store_leaves_other_files_alone(tmp_path, capsys):
     with pytest.raises(SwapError, match="not a lock file of this program"):
         SwapStore(str(swap))
     assert (swap / "LOCK").read_text() == "a file of mine called LOCK\n"
+
+
+def test_resume_preflight_counts_the_swap_files_it_will_rewrite(tmp_path, monkeypatch):
+    cfg = _cfg("nvme", tmp_path)
+    offload.initialize(MLP(), cfg).close()  # leaves the swap files, as a stopped run does
+    with SwapStore(str(tmp_path / "swap")) as store:
+        stored = store.stored_bytes()
+    assert stored > 12 * sum(p.numel() for p in MLP().parameters())
+    # the disk has room for a third of the state besides the files already there
+    monkeypatch.setattr(SwapStore, "free_bytes", lambda self: stored // 3)
+    offload.initialize(MLP(), cfg).close()
+    monkeypatch.setattr(SwapStore, "free_bytes", lambda self: 100)
+    with pytest.raises(SwapError, match="needs"):
+        offload.initialize(MLP(), cfg.replace(nvme_dir=str(tmp_path / "fresh")))
