@@ -491,6 +491,7 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
     from offload.models import save_pretrained
     save_pretrained(engine.iter_master_params(), final_model, config=model_cfg, dtype=export_dtype,
                     extra_files=tokenizer.files())
+    verify_export(final_model, model_cfg, bool(tokenizer.files()))
     eval_final = next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None)
     print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final))
     if engine.skipped_steps:
@@ -507,6 +508,23 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
         print(f"swap: removed {format_bytes(freed)} of swap files from {cfg.nvme_dir} (the "
               f"checkpoint holds the state)")
     return 0
+
+
+def verify_export(path: str, model_cfg, with_tokenizer: bool) -> None:
+    """Read the export back the way a loader will (config, every tensor's name, shape and dtype,
+    the tokenizer files): an export that cannot be loaded is an error, not a quiet success."""
+    from offload.models import CheckpointReader
+    from offload.tokenizer import load_tokenizer
+
+    try:
+        with CheckpointReader(path) as reader:
+            if reader.config.to_hf(dtype="x") != model_cfg.to_hf(dtype="x") or reader.unexpected:
+                raise ValueError("its config or tensors differ from the model trained")
+        if with_tokenizer and load_tokenizer(path) is None:
+            raise ValueError("its tokenizer files are missing")
+    except Exception as e:  # noqa: BLE001 - any failure to read it back is the finding
+        fail(f"the exported model in {path} cannot be read back ({str(e)[:200]}); the training "
+             f"checkpoint is complete: export again from it")
 
 
 def finite_or_null(value):

@@ -208,3 +208,31 @@ def test_resume_preflight_counts_the_swap_files_it_will_rewrite(tmp_path, monkey
     monkeypatch.setattr(SwapStore, "free_bytes", lambda self: 100)
     with pytest.raises(SwapError, match="needs"):
         offload.initialize(MLP(), cfg.replace(nvme_dir=str(tmp_path / "fresh")))
+
+
+def test_an_export_that_overflows_its_dtype_is_not_written(tmp_path):
+    from offload.models import CheckpointError, build_model, preset, save_pretrained
+    model = build_model(preset("tiny"), "cpu", torch.float32, source=0)
+    with torch.no_grad():
+        model.model.norm.weight[0] = 1e6  # past fp16's 65504
+    with pytest.raises(CheckpointError, match="past torch.float16's range"):
+        save_pretrained(model, str(tmp_path / "out"), dtype=torch.float16)
+    assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "out"))
+    save_pretrained(model, str(tmp_path / "out"), dtype=torch.bfloat16)  # in range there
+
+
+def test_the_export_is_read_back(tmp_path, capsys, monkeypatch):
+    import runners.finetune as ft
+    from offload.models import hf
+    real = hf.save_pretrained
+
+    def bad_config(source, path, **kw):  # a writer bug: config.json does not match the weights
+        written = real(source, path, **kw)
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        _write(tmp_path / "c.json", cfg | {"num_hidden_layers": cfg["num_hidden_layers"] + 1}) \
+            .replace(os.path.join(path, "config.json"))
+        return written
+    monkeypatch.setattr("offload.models.save_pretrained", bad_config)
+    rc, err = finetune(["--output", str(tmp_path / "run"), *FAST], capsys)
+    assert rc == 2 and "cannot be read back" in err, err
+    del ft

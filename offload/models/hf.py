@@ -405,7 +405,14 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
             t = t.detach()
             if t.dtype not in FLOAT_DTYPES:
                 raise CheckpointError(f"save_pretrained: tensor {name!r} is {t.dtype}, not a float dtype")
+            finite_before = bool(torch.isfinite(t).all())
             t = t.to(device="cpu", dtype=dtype or t.dtype).contiguous()
+            if not bool(torch.isfinite(t).all()):
+                # a checkpoint transformers would load and compute inf/nan with: never written
+                why = (f"values past {t.dtype}'s range (largest {torch.finfo(t.dtype).max:g}); "
+                       f"export in bf16 or fp32" if finite_before else "inf/nan values")
+                raise CheckpointError(f"save_pretrained: tensor {name!r} holds {why}; nothing "
+                                      f"was written to {path}")
             seen_dtype = seen_dtype or t.dtype
             nbytes = t.numel() * t.element_size()
             if current and current_bytes + nbytes > max_shard_bytes:
