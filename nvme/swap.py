@@ -312,6 +312,10 @@ class SwapStore:
             os.replace(tmp, path)
             fsync_dir(self.dir)
         except OSError as e:
+            try:  # the previous manifest stays; no half-written temporary is left beside it
+                os.unlink(tmp)
+            except OSError:
+                pass
             raise SwapError(e.errno, f"writing swap manifest {path} ({len(data)} bytes at offset "
                                      f"0) failed: {os_reason(e)}") from None
 

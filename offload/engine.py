@@ -21,7 +21,6 @@ import contextlib
 import functools
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -38,7 +37,7 @@ from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, host_empty,
-                           peak_rss_bytes, return_large_frees_to_os)
+                           peak_rss_bytes, return_large_frees_to_os, started_worker)
 from offload.train_plan import grad_pool_buffers, plan_training
 from offload.train_stream import TrainingStreamer
 
@@ -134,6 +133,7 @@ class Engine:
         path, self.overlap_why = cfg.step_path()  # how the step meets backward, and why
         self.overlap = path == "overlapped"
         self._check_budgets()
+        self._step_thread = started_worker("offload-step")  # first: nothing to undo if it fails
 
         # optimizer state; then 16-bit weights, one block at a time so the peak extra memory
         # while initialising is one block
@@ -190,7 +190,6 @@ class Engine:
         if isinstance(self.state, NvmeState):
             self.state.end_step(self._unit_order(), 0)  # init state durable + first prefetch
         self._overlap_jobs: list | None = None
-        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
         self._weight_writes: list = []  # nvme-tier weight writes of the current step
         self._weight_ring: list[torch.Tensor] = []
         self._ring_writes: dict[int, Any] = {}

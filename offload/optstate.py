@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from offload.blocks import Block
-from offload.tiers import LinkCounter, MemoryAccount, host_zeros
+from offload.tiers import LinkCounter, MemoryAccount, host_zeros, started_worker
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -132,7 +132,7 @@ class NvmeState:
         self.reading: dict[int, tuple[int, list]] = {}  # unit -> (set, pending read handles)
         self.queue: deque[int] = deque()  # units still to be read, in consumption order
         self.io_wait_s = 0.0
-        self._tail_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-swap-tail")
+        self._tail_thread = started_worker("offload-swap-tail")
         self._tail: Future | None = None  # the previous step's end (see end_step)
 
     def units_of(self, bi: int) -> list[tuple[int, int, int]]:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -53,7 +53,7 @@ from torch import nn
 
 from nvme.io import ALIGN, IOEngine, aligned_empty
 from offload.blocks import Block, ParamSlot, bind_views
-from offload.tiers import return_large_frees_to_os
+from offload.tiers import return_large_frees_to_os, started_worker
 
 RESIDENCIES = ("device", "cpu", "nvme")
 
@@ -320,7 +320,7 @@ class BlockStreamer:
                 # copy stream; the stream's own order protects it between fetches.
                 self._landing = torch.empty(stored_bytes, dtype=torch.uint8, device=self.device)
         self._staging_next = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-fetch")
+        self._executor = started_worker("offload-fetch")
 
     def _stored_bytes(self, i: int) -> int:
         dt = self._stored_dtype[i] or self.dtype

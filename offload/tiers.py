@@ -16,6 +16,7 @@ import threading
 import warnings
 import weakref
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import psutil
@@ -29,6 +30,21 @@ KINDS = ("weights", "masters", "moments", "grads", "buffers", "activations", "kv
 
 class BudgetError(RuntimeError):
     """A plan does not fit its memory budgets; the message says what would."""
+
+
+def started_worker(name: str) -> ThreadPoolExecutor:
+    """A one-thread executor whose thread is running already: an address-space or thread limit
+    that leaves no room for its stack is found while setting up, in one line, not at the first
+    job in the middle of training."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    try:
+        pool.submit(lambda: None).result()
+    except RuntimeError as e:  # "can't start new thread"
+        pool.shutdown(wait=False)
+        raise BudgetError(f"cannot start the {name} thread ({e}): an address-space or thread "
+                          f"limit (ulimit -v / -u) leaves no room for its stack; raise the "
+                          f"limit") from None
+    return pool
 
 
 def device_free_bytes(device: torch.device) -> int:

@@ -148,3 +148,20 @@ def test_no_room_for_io_threads_is_one_line(monkeypatch):
     monkeypatch.setattr(threading.Thread, "start", start)
     with pytest.raises(IOEngineError, match=r"cannot start IO thread 2 of 4 .*ulimit"):
         IOEngine(threads=4)
+
+
+def test_no_room_for_the_step_thread_is_found_at_set_up(monkeypatch, tmp_path):
+    import threading
+
+    import offload
+    from offload.tiers import BudgetError
+    from test_engine import MLP, _cfg
+    real = threading.Thread.start
+
+    def start(self):
+        if self.name.startswith("offload-step"):
+            raise RuntimeError("can't start new thread")
+        real(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(BudgetError, match="cannot start the offload-step thread .*ulimit"):
+        offload.initialize(MLP(), _cfg("cpu", tmp_path))

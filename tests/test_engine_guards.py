@@ -249,3 +249,35 @@ def test_dtype_change_on_resume_is_refused(tmp_path):
         other.load_state(str(tmp_path / "s"))
     other.close()
 
+
+
+@pytest.mark.parametrize("mode,clip", [("cpu", 0.05), ("nvme", 0.0)])
+def test_blocks_without_gradients_under_the_delayed_update(mode, clip, tmp_path):
+    """The one-step delayed update with LayerDrop / unused biases against its torch reference
+    (whose master optimizer skips parameters whose .grad is None)."""
+    from test_delayed import reference_delayed
+
+    import random
+    rng = random.Random(1)
+    pattern = [(frozenset(rng.sample(range(4), rng.randrange(5))),
+                frozenset(rng.sample(range(4), rng.randrange(3)))) for _ in range(12)]
+    batches = list(zip(mlp_batches(12), pattern))
+
+    def loss_fn(model, item):
+        batch, (active, no_bias) = item
+        model.active, model.no_bias = active, no_bias
+        return mlp_loss(model, batch)
+
+    torch.manual_seed(0)
+    model = DropMLP()
+    ref_model = copy.deepcopy(model)
+    cfg = _cfg(mode, tmp_path, grad_clip=clip, delayed_update=True, delayed_update_warmup=1)
+    ref_masters, _, _ = reference_delayed(ref_model, batches, loss_fn, cfg=cfg, warmup=1)
+    engine = offload.initialize(model, cfg)
+    try:
+        for item in batches:
+            engine.backward(loss_fn(model, item))
+            engine.step()
+        assert max_rel_diff(engine.master_params(), ref_masters) <= 1e-6
+    finally:
+        engine.close()

@@ -125,6 +125,9 @@ def test_disk_full_during_a_swap_write(tmp_path, monkeypatch, capsys, reference)
     line = _fails_cleanly(capsys, ARGS + ["--output", out], "No space left on device",
                           "swap write of")
     assert "the store still holds the previous version" in line
+    # closing then failed too (the manifest write hits the same full disk): the first error is
+    # the one shown, and no temporary file is left behind
+    assert not [f for f in os.listdir(os.path.join(out, "swap")) if f.endswith(".tmp")]
     disk.heal()
     assert _checkpoint_step(out) == 2
     _resume_matches(out, reference)
