@@ -120,8 +120,10 @@ class TrainingStreamer:
                 lambda m, args, out, li=li: self._after_forward(li, out)))
 
     def _expected_crc32(self, li: int) -> int | None:
-        """The CRC-32 of layer li's latest weights file (the store records it at each write),
-        when the store verifies reads."""
+        """The CRC of layer li's latest weights file (the store records it at each write), when
+        the store verifies reads. Sound because no write of a block's weights is in flight while
+        the streamer reads it: the step writes them after the block's backward, and the update
+        waits for those writes before the next forward fetches anything."""
         if self.store is None or self.store.verify == "never":
             return None
         entry = self.store.info(self.name(self.blocks[self.layer_block[li]]))
