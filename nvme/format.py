@@ -16,6 +16,8 @@ ranges may neither overlap nor point past the end of the file.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
@@ -387,6 +389,26 @@ def write_json_atomic(path: str | os.PathLike, obj: object, *, indent: int = 1,
                       sort_keys: bool = False) -> None:
     """`obj` as JSON, written like write_text_atomic."""
     write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+def lock_pid_file(path: str, tag: str) -> int:
+    """Open `path` (created if missing), flock() it exclusively without waiting and write
+    "<tag> <pid>" into it; returns the descriptor (closing it, or the process ending, releases
+    the lock). Another holder: BlockingIOError whose `holder` is the pid written there."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        words = os.pread(fd, 256, 0).decode(errors="replace").split()
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            busy = BlockingIOError(e.errno, f"{path} is locked")
+            busy.holder = words[-1] if words else "unknown"
+            raise busy from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{tag} {os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _write_all(fd: int, buf: memoryview, path: str) -> int:

@@ -27,7 +27,6 @@ flight copies the data from the write's source tensor, so it always sees the new
 from __future__ import annotations
 
 import errno as errno_mod
-import fcntl
 import hashlib
 import json
 import os
@@ -38,7 +37,7 @@ from functools import partial
 import torch
 
 from nvme.format import (DTYPE_FROM_NAME, NAME_FROM_DTYPE, FormatError, fsync_dir, header_bytes,
-                         read_header, tensor_bytes)
+                         lock_pid_file, read_header, tensor_bytes)
 from nvme.io import CHECKSUM, CRC_FUNCS, IOEngine, IOEngineError, IOHandle, aligned_empty, os_reason
 
 FORMAT = "offload-swap/1"
@@ -175,30 +174,35 @@ class SwapStore:
 
     def _take_lock(self) -> None:
         path = os.path.join(self.dir, LOCK)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        held = os.pread(fd, 256, 0).decode(errors="replace")
-        if held and not _is_lock_text(held):
-            os.close(fd)
+        held = b""
+        try:  # what the file holds: a LOCK this program did not write is never overwritten
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                held = os.pread(fd, 256, 0)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise SwapError(e.errno, f"swap directory {self.dir}: cannot read {path}: "
+                                     f"{os_reason(e)}") from None
+        if held and not _is_lock_text(held.decode(errors="replace")):
             raise SwapError(errno_mod.EEXIST, f"swap directory {self.dir}: {path} is not a lock "
                                               f"file of this program (it holds other data) and "
                                               f"would be overwritten; move it away or choose "
                                               f"another directory")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = held.split()[-1] if held.split() else "unknown"
-            os.close(fd)
-            if e.errno not in (errno_mod.EWOULDBLOCK, errno_mod.EAGAIN):
-                raise SwapError(e.errno, f"swap directory {self.dir}: cannot lock {path}: "
-                                         f"{os_reason(e)}") from None
+            self._lock_fd = lock_pid_file(path, LOCK_TEXT)
+        except BlockingIOError as e:
+            holder = getattr(e, "holder", "unknown")
             who = "this process" if holder == str(os.getpid()) else f"process {holder}"
             raise SwapError(e.errno, f"swap directory {self.dir} is locked by another "
                                      f"SwapStore in {who}; two stores must never share a swap "
                                      f"directory (close the other one, or use another "
                                      f"directory)") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{LOCK_TEXT} {os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        except OSError as e:
+            raise SwapError(e.errno, f"swap directory {self.dir}: cannot lock {path}: "
+                                     f"{os_reason(e)}") from None
 
     def _release(self) -> None:
         if self._lock_fd >= 0:

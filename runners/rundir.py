@@ -6,12 +6,11 @@ run that saved the checkpoint."""
 from __future__ import annotations
 
 import argparse
-import errno
-import fcntl
 import os
 import shutil
 from typing import Any
 
+from nvme.format import lock_pid_file
 from runners.common import fail
 
 LOCK = ".offload-run.lock"
@@ -36,20 +35,12 @@ class RunDirectory:
         """Hold an exclusive lock on the directory for the whole run (released at exit, also
         when the process is killed: it is an flock)."""
         os.makedirs(self.path, exist_ok=True)
-        path = os.path.join(self.path, LOCK)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                fail(f"--output {self.path} is in use by another run (process {holder}); wait for "
-                     f"it to finish or choose another --output")
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+            self._fd = lock_pid_file(os.path.join(self.path, LOCK), "offload-run")
+        except BlockingIOError as e:
+            fail(f"--output {self.path} is in use by another run (process "
+                 f"{getattr(e, 'holder', 'unknown')}); wait for it to finish or choose another "
+                 f"--output")
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -122,18 +113,20 @@ TRAJECTORY = {"seq_len": "--seq-len", "seed": "--seed", "batch_size": "--batch-s
               "delayed_update": "--delayed-update", "delayed_update_warmup": "--delayed-update-warmup"}
 
 
+FROM_ARGS = ("seq_len", "seed", "batch_size", "steps", "warmup_steps", "min_lr_ratio")
+
+
 def trajectory(args: argparse.Namespace, cfg, micro: int) -> dict[str, Any]:
-    """The values of TRAJECTORY for this run (saved in every checkpoint)."""
-    out = {}
+    """The values of TRAJECTORY for this run (saved in every checkpoint): the runner's own
+    flags from `args`, the engine's settings from the resolved config (a --config file may
+    have set them), the micro-batch as resolved."""
+    out: dict[str, Any] = {"micro_batch_size": micro}
     for key in TRAJECTORY:
-        if key == "micro_batch_size":
-            out[key] = micro
-        elif hasattr(cfg, key) and key not in ("steps", "seq_len", "seed", "batch_size",
-                                               "warmup_steps", "min_lr_ratio"):
-            value = getattr(cfg, key)
-            out[key] = list(value) if isinstance(value, tuple) else value
-        else:
+        if key in FROM_ARGS:
             out[key] = getattr(args, key)
+        elif key != "micro_batch_size":
+            value = getattr(cfg, key)
+            out[key] = list(value) if isinstance(value, tuple) else value  # as JSON keeps it
     return out
 
 

@@ -18,7 +18,7 @@ from offload.generate import SamplingParams, filter_logits
 from offload.models import CheckpointError, CheckpointReader
 from offload.tokenizer import Tokenizer, TokenizerError
 from runners import infer
-from test_run_guards import FAST, finetune
+from test_run_guards import FAST, finetune, run_cli
 
 
 def test_text_that_is_not_unicode(tmp_path, capsys):
@@ -31,15 +31,8 @@ def test_text_that_is_not_unicode(tmp_path, capsys):
     (tmp_path / "blank.txt").write_text("  \n\n")
     for argv, msg in ((["--prompt", "abc\udcff"], "prompt 1 is not valid UTF-8"),
                       (["--prompt-file", str(tmp_path / "blank.txt")], "holds no prompt")):
-        rc, err = finetune_like(infer.main, argv, capsys)
+        rc, err = run_cli(infer.main, argv, capsys)
         assert rc == 2 and msg in err, err
-
-
-def finetune_like(main, argv, capsys):
-    from runners.common import run_main
-    rc = run_main(main, argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    return rc, err[-1] if err else ""
 
 
 def test_edge_seeds_and_temperatures():
@@ -105,7 +98,7 @@ def test_a_strangers_checkpoint(tmp_path, capsys):
     assert time.perf_counter() - t0 < 5
     extra = tmp_path / "extra"
     _checkpoint_dir(extra, 2, 2, {"model.vision_tower.weight": torch.zeros(3)})
-    rc, _ = finetune_like(infer.main, ["--model", str(extra), "--prompt-ids", "1,2",
+    rc, _ = run_cli(infer.main, ["--model", str(extra), "--prompt-ids", "1,2",
                                        "--max-new-tokens", "1"], capsys)
     # (the note went to stderr; finetune_like kept only the last line)
     assert rc == 0

@@ -25,13 +25,18 @@ FAST = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--eval-every", 
         "--no-progress", "--warmup-steps", "1"]
 
 
-def finetune(argv, capsys) -> tuple[int, str]:
-    """(exit code, last stderr line); what it printed is kept in finetune.out."""
-    rc = run_main(finetune_main, argv)
+def run_cli(main, argv, capsys) -> tuple[int, str]:
+    """A runner's main as the command line runs it: (exit code, last stderr line); what it
+    printed is kept in run_cli.out."""
+    rc = run_main(main, argv)
     captured = capsys.readouterr()
-    finetune.out = captured.out
+    run_cli.out = captured.out
     err = captured.err.strip().splitlines()
     return rc, (err[-1] if err else "")
+
+
+def finetune(argv, capsys) -> tuple[int, str]:
+    return run_cli(finetune_main, argv, capsys)
 
 
 def strict_rows(path) -> list[dict]:
@@ -107,7 +112,7 @@ def test_nan_losses_are_skipped_and_logged_as_null(tmp_path, monkeypatch, capsys
     # a skipped update is logged and redone on the next batch (as an fp16 overflow is)
     assert [r["applied"] for r in rows] == [True, True, False, False, True, True, True, True]
     assert rows[2]["loss"] is None and rows[3]["step"] == 2 and rows[-1]["step"] == 6
-    assert "skipped updates (inf/nan loss or gradients): 2" in finetune.out
+    assert "skipped updates (inf/nan loss or gradients): 2" in run_cli.out
 
 
 def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, monkeypatch, capsys):
