@@ -25,6 +25,7 @@ sandbox settings and helpers), so the text is byte-identical.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -51,17 +52,26 @@ TEMPLATE_SECONDS = 5.0  # a chat template renders in microseconds; a stranger's 
 TEMPLATE_MAX_CHARS = 1 << 24  # 16 M characters: far past any context window
 
 
-def _bounded_sandbox(base):
-    """The sandbox with a time and size budget for one render: every loop step over a range,
-    every output chunk and every `*` / `**` (string repetition, huge powers) is checked, so a
-    template with nested loops or a huge string fails in one line instead of hanging or
-    exhausting memory."""
-    import jinja2
-    from jinja2.sandbox import SecurityError
+@functools.lru_cache(maxsize=None)
+def _bounded_sandbox():
+    """The sandbox class with a time and size budget for one render (set `deadline` before
+    rendering): every step of a `range` loop, every output chunk and every `*` / `**` (string
+    repetition, huge powers) is checked, so a template with nested loops or a huge string fails
+    in one line instead of hanging or exhausting memory. Made once (jinja2 imported lazily)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError, safe_range
 
-    class Bounded(base):
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "**"])
         deadline = float("inf")
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.globals["range"] = self.bounded_range
+
+        def bounded_range(self, *args):
+            for i in safe_range(*args):
+                self.check()
+                yield i
 
         def check(self, size: int = 0) -> None:
             if time.monotonic() > self.deadline:
@@ -81,23 +91,7 @@ def _bounded_sandbox(base):
                                             f"{TEMPLATE_MAX_CHARS} long")
             return super().call_binop(context, operator, left, right)
 
-    def bounded_range(*args):
-        for i in jinja2.sandbox.safe_range(*args):
-            env_check()
-            yield i
-
-    env_holder: list = []
-
-    def env_check() -> None:
-        env_holder[0].check()
-
-    class WithRange(Bounded):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            env_holder.append(self)
-            self.globals["range"] = bounded_range
-
-    return WithRange
+    return BoundedSandbox
 
 
 def _token_text(value: Any) -> str | None:
@@ -288,7 +282,6 @@ class Tokenizer:
                                  f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
         try:
             import jinja2
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:  # pragma: no cover - a declared dependency
             raise TokenizerError("chat templates need the 'jinja2' package (pip install jinja2)") from None
 
@@ -302,8 +295,8 @@ class Tokenizer:
 
         # The environment settings transformers renders with, so whitespace matches byte for byte;
         # bounded (a template comes with a stranger's checkpoint): see _bounded_sandbox
-        env = _bounded_sandbox(ImmutableSandboxedEnvironment)(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
+                                 extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
