@@ -575,15 +575,13 @@ class SwapStore:
         lock (and the directory when that leaves it empty). Returns the bytes freed. Other files
         in the directory are left alone."""
         self.flush()
-        freed = 0
+        freed = self.stored_bytes()
         with self._mutex:
             files = [e.file for e in self._entries.values()]
             self._entries.clear()
         for f in files:
-            path = os.path.join(self.dir, f)
             try:
-                freed += os.stat(path).st_size
-                os.unlink(path)
+                os.unlink(os.path.join(self.dir, f))
             except FileNotFoundError:
                 pass
         self._closed = True
