@@ -27,6 +27,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from offload.gpu import on_stream, side_stream_delay
+from offload.tiers import host_empty
+
 
 class ActivationStore:
     """Host copies of checkpointed block inputs, brought back to the device ahead of use."""
@@ -41,12 +44,14 @@ class ActivationStore:
         self.held_bytes = 0  # host bytes held right now
 
     def put(self, key: int, t: torch.Tensor) -> None:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+        # pinned under the process's cap, pageable beyond it (offload/tiers.py)
+        host = host_empty(t.numel(), t.dtype, self.pin).view(t.shape)
         if self.cuda:
             # the copy may only start once the kernels that produced `t` are done: the side
             # stream waits on the compute stream (GPU-side), and `t` is kept alive for it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
+            with on_stream(self.stream):
+                side_stream_delay(self.stream)  # test knob (offload/gpu.py): a late copy
                 host.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)
                 ev = torch.cuda.Event()
@@ -66,7 +71,7 @@ class ActivationStore:
         host, copied = self._host.pop(key)
         self.held_bytes -= host.numel() * host.element_size()
         if self.cuda:
-            with torch.cuda.stream(self.stream):
+            with on_stream(self.stream):
                 if copied is not None:
                     self.stream.wait_event(copied)  # the D2H copy into `host` is finished
                 dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
@@ -113,6 +118,11 @@ class _Checkpoint(torch.autograd.Function):
             else:
                 kept.append(t.detach())
         spec.kept = kept
+        # The spec (held by ctx until this block's backward) must not keep the inputs alive
+        # through its args/kwargs: an offloaded input would stay on the device beside its host
+        # copy and the option would free nothing (desk review H2). run() puts the tensors back
+        # by position from what backward passes it.
+        spec.drop_tensors()
         spec.needs_grad = [t.requires_grad for t in tensors]
         spec.single = torch.is_tensor(out)
         outs = (out,) if spec.single else tuple(out)
@@ -154,6 +164,13 @@ class _Spec:
             if torch.is_tensor(v):
                 self.slots.append(("k", k))
         self.args, self.kwargs = list(args), dict(kwargs)
+
+    def drop_tensors(self) -> None:
+        for kind, i in self.slots:
+            if kind == "a":
+                self.args[i] = None
+            else:
+                self.kwargs[i] = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.args[i] if kind == "a" else self.kwargs[i] for kind, i in self.slots)

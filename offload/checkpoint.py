@@ -50,22 +50,27 @@ def _fsync_tree(path: str) -> None:
         fsync_dir(root)
 
 
-def rng_state() -> dict[str, str]:
-    """Every RNG a training step may draw from, as JSON-safe strings."""
+def rng_state(device: torch.device | None = None) -> dict[str, str]:
+    """Every RNG a training step may draw from, as JSON-safe strings: the CPU generator and,
+    when training runs on a GPU, that GPU's generator only -- saving every visible device's
+    would make a resume under fewer visible GPUs fail (desk review L7)."""
     state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode()
-                         for s in torch.cuda.get_rng_state_all()]  # type: ignore[assignment]
+    if device is not None and device.type == "cuda":
+        state["cuda"] = [base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes())
+                         .decode()]  # type: ignore[assignment]
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore rng_state()'s generators; the CUDA one onto `device` (the run's GPU). A state
+    saved elsewhere may list more GPUs (older checkpoints saved all visible ones, device 0
+    first): only the first is used, and none on a CPU run."""
     def decode(s: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
     torch.set_rng_state(decode(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+    if device is not None and device.type == "cuda" and state.get("cuda"):
+        torch.cuda.set_rng_state(decode(state["cuda"][0]), device)
 
 
 def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[str, Any],

@@ -141,3 +141,9 @@ class DelayedUpdate:
         """Forget the pending job after waiting for it (load_state overwrites everything)."""
         self.join()
         self._job = None
+        e = self.engine
+        if e.cuda:
+            # join() waited for the job on the host, not for its uploads on the H2D stream:
+            # what overwrites the shadow buffers next (load_state's copies, on the compute
+            # stream) must come after them (desk review L8; GPU-side wait)
+            torch.cuda.current_stream(e.device).wait_stream(e.h2d_stream)

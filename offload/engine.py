@@ -33,11 +33,12 @@ from offload.config import ConfigError, OffloadConfig, as_config
 from offload import engine_state
 from offload.delayed import DelayedUpdate
 from offload.engine_state import NonFiniteError, StateError
+from offload.gpu import host_event, on_stream, side_stream_delay
 from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
-from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, host_empty,
-                           peak_rss_bytes, return_large_frees_to_os, started_worker)
+from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, freeze_pin_cap,
+                           host_empty, peak_rss_bytes, return_large_frees_to_os, started_worker)
 from offload.train_plan import grad_pool_buffers, plan_training
 from offload.train_stream import TrainingStreamer
 
@@ -64,6 +65,11 @@ class StepReport:
     nonfinite: bool = False  # skipped: a loss or gradient was inf/nan (fp16 overflow included)
     loss_scale: float = 1.0
     grad_norm: float | None = None
+    # CUDA: GPU time of the forwards and backwards whose kernels had finished when this update
+    # was applied, from timing events on the compute stream (forward_s / backward_s are host
+    # time: on a GPU, mostly the time to queue kernels). None on the CPU device.
+    forward_gpu_s: float | None = None
+    backward_gpu_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -86,6 +92,41 @@ def _torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
     master.addcdiv_(exp_avg, denom, value=-lr / bc1)
     if out16 is not None:
         out16.copy_(master)
+
+
+class _GpuPhaseTimer:
+    """GPU time of forward and backward from CUDA timing events on the compute stream. Reading
+    an event pair never waits: pairs whose end has not completed yet (`query()`) stay queued
+    and count toward a later update, so the report costs no synchronisation (desk review L5)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._open: dict[str, Any] = {}
+        self._pairs: list[tuple[str, Any, Any]] = []
+
+    def start(self, phase: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        self._open[phase] = ev
+
+    def stop(self, phase: str) -> None:
+        start = self._open.pop(phase, None)
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        self._pairs.append((phase, start, end))
+
+    def collect(self) -> dict[str, float]:
+        out = {"forward": 0.0, "backward": 0.0}
+        waiting = []
+        for phase, start, end in self._pairs:
+            if end.query():
+                out[phase] += start.elapsed_time(end) / 1e3  # ms -> s
+            else:
+                waiting.append((phase, start, end))
+        self._pairs = waiting
+        return out
 
 
 class Engine:
@@ -133,6 +174,11 @@ class Engine:
         path, self.overlap_why = cfg.step_path()  # how the step meets backward, and why
         self.overlap = path == "overlapped"
         self._check_budgets()
+        if self.pin:
+            # the pinned-memory cap is fixed now, from the RAM available before this engine
+            # allocates anything: measured per request, every earlier (pageable) allocation
+            # would lower it and the buffers that most need pinning come last (desk review H3)
+            freeze_pin_cap()
         self._step_thread = started_worker("offload-step")  # first: nothing to undo if it fails
 
         # optimizer state; then 16-bit weights, one block at a time so the peak extra memory
@@ -210,12 +256,14 @@ class Engine:
 
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
+        if self.cuda and cfg.offload != "none":  # offload="none" steps on the device: no ring
             ring = max(2, min(cfg.buffer_count, len(self.blocks)))
             max_numel = max(b.numel for b in self.blocks)
             self._upload_ring = [host_empty(max_numel, self.dtype, self.pin) for _ in range(ring)]
             self._upload_done: list[torch.cuda.Event | None] = [None] * ring
             self.account.add("host", "buffers", ring * max_numel * self.dtype.itemsize)
         self._fwd_t0: float | None = None
+        self._gpu_timer = _GpuPhaseTimer(self.device) if self.cuda else None
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
         self._hooks = [model.register_forward_pre_hook(self._on_forward_start),
                        model.register_forward_hook(self._on_forward_end)]
@@ -276,17 +324,24 @@ class Engine:
                              prefetch=cfg.prefetch_optimizer_state,
                              sub_group_params=cfg.sub_group_size)
         tier = "device" if cfg.offload == "none" else "host"
-        return ResidentState(self.blocks, tier, self.device, self.pin, self.account)
+        # never pinned: the CPU kernel reads and writes masters and moments in place; they never
+        # cross the link, and pinning them would spend the pinned-memory cap on them instead of
+        # on the buffers that do (landing, staging, upload ring, streamed weights; review H3)
+        return ResidentState(self.blocks, tier, self.device, False, self.account)
 
     # -- timing hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args) -> None:
         # only training forwards count toward the update's time split (not evaluation)
         self._fwd_t0 = time.perf_counter() if torch.is_grad_enabled() else None
+        if self._fwd_t0 is not None and self._gpu_timer is not None:
+            self._gpu_timer.start("forward")
 
     def _on_forward_end(self, module, args, output) -> None:
         if self._fwd_t0 is not None:
             self._pending.forward_s += time.perf_counter() - self._fwd_t0
             self._fwd_t0 = None
+            if self._gpu_timer is not None:
+                self._gpu_timer.stop("forward")
 
     # -- the public loop --------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -324,9 +379,13 @@ class Engine:
         t0 = time.perf_counter()
         # loss / accum (not loss * (1/accum)): the same float the plain-PyTorch loop computes
         scaled = loss / accum if self.loss_scale == 1.0 else loss * self.loss_scale / accum
+        if self._gpu_timer is not None:
+            self._gpu_timer.start("backward")
         try:
             scaled.backward()
         finally:
+            if self._gpu_timer is not None:
+                self._gpu_timer.stop("backward")
             self.grads.on_block_done = None
             if self.streaming is not None:
                 self.streaming.end_backward()
@@ -391,6 +450,9 @@ class Engine:
 
     def _finish_report(self, rep: StepReport, t_step: float, before: dict[str, int]) -> None:
         rep.step_s = time.perf_counter() - t_step
+        if self._gpu_timer is not None:
+            done = self._gpu_timer.collect()
+            rep.forward_gpu_s, rep.backward_gpu_s = done["forward"], done["backward"]
         if self.act_store is not None:
             self.links["act_offload"].nbytes = self.act_store.offloaded_bytes
         if self.streaming is not None:  # the streamer counts its own fetches
@@ -608,16 +670,19 @@ class Engine:
         r = k % len(self._upload_ring)
         done = self._upload_done[r]
         if done is not None:
-            done.synchronize()  # the slot's previous upload must have left before we overwrite
+            # the slot's previous upload must have left before the kernel overwrites it: a host
+            # wait on that one (blocking) event, on the thread that steps
+            done.synchronize()
         return self._upload_ring[r][:numel], ("ring", r)
 
     def _upload(self, bi: int, out16: torch.Tensor, where: tuple[str, int]) -> None:
         kind, r = where
         nbytes = out16.numel() * out16.element_size()
         if kind == "ring":
-            with torch.cuda.stream(self.h2d_stream):
+            with on_stream(self.h2d_stream):
+                side_stream_delay(self.h2d_stream)  # test knob (offload/gpu.py): a late upload
                 (self._weights_out or self.flat16)[bi].copy_(out16, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = host_event()
                 ev.record(self.h2d_stream)
             self._upload_done[r] = ev
         elif kind == "nvme":
@@ -731,6 +796,12 @@ class Engine:
             h.remove()
         self._hooks.clear()
         parts = [self.grads.close, lambda: self._step_thread.shutdown(wait=True)]
+        if self.cuda:
+            # device buffers (weights, a delayed job's shadow set) may be freed after this while
+            # uploads into them or gradient copies out of them are queued on the side streams:
+            # the caching allocator would hand the memory to the compute stream at once, so
+            # the compute stream waits for both first (GPU-side; desk review M3/L8)
+            parts.append(self._order_after_side_streams)
         if self.streaming is not None:
             parts.append(self.streaming.close)
         parts.append(self.state.close)
@@ -745,6 +816,12 @@ class Engine:
                 first = first or e
         if first is not None and not after_error:
             raise first
+
+    def _order_after_side_streams(self) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.h2d_stream)
+        if self.grads.cuda:
+            compute.wait_stream(self.grads.stream)
 
     def __enter__(self) -> "Engine":
         return self

@@ -18,6 +18,7 @@ CPU device the same steps run inline in the hook.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -26,11 +27,17 @@ from typing import Callable
 import torch
 
 from offload.blocks import Block, ParamSlot
+from offload.gpu import host_delay, host_event, on_stream, side_stream_delay
 from offload.tiers import LinkCounter, MemoryAccount, host_empty, host_zeros
 
 
 POOL_TIMEOUT_S = 600.0
 NORM_CHUNK = 1 << 22  # elements cast to fp32 at a time when a 16-bit gradient's norm is taken
+# On CUDA, device gradients waiting for their copy to the host are bounded to this many of the
+# largest block's gradients: past it the hook waits for the oldest copy (back-pressure), so the
+# caching allocator never holds an unplanned backlog of up to the whole model's gradients
+# (train_plan counts exactly this bound; desk review M5).
+D2H_BACKLOG_BLOCKS = 2
 
 
 def fp32_norm(flat: torch.Tensor) -> torch.Tensor:
@@ -124,6 +131,13 @@ class GradLanding:
             self._work: queue.Queue = queue.Queue()
             self._pending = 0
             self._cv = threading.Condition()
+            # staging slices a copy has been issued into whose host add has not run yet: the
+            # next micro-batch's copy into the same slice waits for it (_land_cuda)
+            self._staged_busy: set[tuple[int, str]] = set()
+            # (copied event, bytes) of the copies in flight on the side stream, oldest first
+            self._in_flight: collections.deque = collections.deque()
+            self._in_flight_bytes = 0
+            self.backlog_bytes = D2H_BACKLOG_BLOCKS * max(b.numel for b in blocks) * grad_dtype.itemsize
             self._worker = threading.Thread(target=self._run_worker, daemon=True,
                                             name="offload-grad-landing")
             self._worker.start()
@@ -252,8 +266,12 @@ class GradLanding:
         self.slot_norm[slot.name] = fp32_norm(dst)
         landed = self.landed[bi]
         landed.add(slot.name)
-        if len(landed) == len(self.blocks[bi].slots) and self.on_block_done is not None:
-            self.on_block_done(bi)
+        # read once: on CUDA this runs on the landing worker while the main thread clears the
+        # attribute when backward returns; checking and then calling the attribute could call
+        # None (desk review M1). A block whose callback was missed is stepped at step().
+        on_done = self.on_block_done
+        if len(landed) == len(self.blocks[bi].slots) and on_done is not None:
+            on_done(bi)
 
     # -- CUDA path --------------------------------------------------------------------------
     def _land_cuda(self, bi: int, slot: ParamSlot, grad: torch.Tensor, first: bool) -> None:
@@ -267,19 +285,45 @@ class GradLanding:
         # a slot's first gradient of a window overwrites, so it can land straight in the landing
         # buffer when no dtype change is needed; anything else goes through staging + a host add.
         direct = first and self.landing_dtype == self.grad_dtype
+        if not direct:
+            # One staging slice per slot serves every micro-batch. A DMA into pinned memory is
+            # ordered only by its stream, so nothing on the GPU stops this copy from landing
+            # while the worker still reads the previous micro-batch's values out of the same
+            # slice (lost and double-counted gradients; desk review H1): that order is made
+            # here, on the host, before the copy is issued. The worker is usually done long
+            # before, so this rarely waits.
+            key = (bi, slot.name)
+            with self._cv:
+                self._cv.wait_for(lambda: key not in self._staged_busy)
+                self._staged_busy.add(key)
+        nbytes = grad.numel() * grad.element_size()
+        self._bound_backlog(nbytes)
         dst_buf = self.buffer(bi) if direct else self.staging[bi]  # type: ignore[index]
         dst = dst_buf[slot.offset:slot.offset + slot.numel]
-        with torch.cuda.stream(self.stream):
+        with on_stream(self.stream):
             self.stream.wait_event(produced)
+            side_stream_delay(self.stream)  # test knob (offload/gpu.py): a late copy
             dst.copy_(grad.reshape(-1), non_blocking=True)
             # the caching allocator may hand this memory to someone else once the Python
             # reference is gone; record_stream keeps it until the side stream's copy is done
             grad.record_stream(self.stream)
-            copied = torch.cuda.Event()
+            copied = host_event()  # the worker sleeps on it (blocking event, not a spin)
             copied.record(self.stream)
+        self._in_flight.append((copied, nbytes))
+        self._in_flight_bytes += nbytes
         with self._cv:
             self._pending += 1
         self._work.put((copied, bi, slot, None if direct else dst, first, self.micro))
+
+    def _bound_backlog(self, nbytes: int) -> None:
+        """Keep the device gradients still waiting for their copy within backlog_bytes: drop
+        finished copies from the front (query: no wait), then, if still over, wait for the
+        oldest ones (autograd's thread blocks: backward produces faster than the link drains)."""
+        while self._in_flight and (self._in_flight[0][0].query() or
+                                   self._in_flight_bytes + nbytes > self.backlog_bytes):
+            ev, n = self._in_flight.popleft()
+            ev.synchronize()
+            self._in_flight_bytes -= n
 
     def _run_worker(self) -> None:
         while True:
@@ -289,6 +333,7 @@ class GradLanding:
             copied, bi, slot, staged, first, micro = item
             try:
                 copied.synchronize()  # blocks this worker only; releases the GIL
+                host_delay()  # test knob (offload/gpu.py): a slow worker
                 if staged is not None:
                     self._land_host(bi, slot, staged, first)
                 if micro == self.accum_steps - 1:
@@ -298,6 +343,8 @@ class GradLanding:
             finally:
                 with self._cv:
                     self._pending -= 1
+                    if staged is not None:
+                        self._staged_busy.discard((bi, slot.name))
                     self._cv.notify_all()
 
     # -- completion -------------------------------------------------------------------------
@@ -307,6 +354,8 @@ class GradLanding:
         if self.cuda:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending == 0)
+            self._in_flight.clear()  # every copy is done: the worker waited on each
+            self._in_flight_bytes = 0
         if self._errors:
             raise self._errors.pop(0)
         return time.perf_counter() - t0
@@ -322,8 +371,12 @@ class GradLanding:
                 if slot.name in self.touched[bi]:
                     self._after_land(bi, slot)  # on_block_done is unset: step() steps it
                 else:
-                    self.buffer(bi)[slot.offset:slot.offset + slot.numel].zero_()
-                    self.slot_norm[slot.name] = torch.zeros((), dtype=torch.float32)
+                    dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
+                    dst.zero_()
+                    # on the landing buffer's device: offload="none" keeps the norms of the
+                    # other slots on the GPU, and stack() needs one device (desk review L1)
+                    self.slot_norm[slot.name] = torch.zeros((), dtype=torch.float32,
+                                                            device=dst.device)
                     self.landed[bi].add(slot.name)
 
     def missing(self) -> dict[int, set[str]]:

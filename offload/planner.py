@@ -34,7 +34,8 @@ import torch
 
 from nvme.io import ALIGN, IOEngine, aligned_empty
 from offload.config import format_bytes
-from offload.tiers import BudgetError
+from offload.gpu import on_stream
+from offload.tiers import BudgetError, host_aligned, pinned_bytes
 
 MODES = ("latency", "throughput")
 FORCED = ("device", "cpu", "nvme")
@@ -180,16 +181,22 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
         count = 1 + max(depth[res[i]] for i in streamed)
         return count, count * (max(block_bytes[i] for i in streamed) + (ALIGN if device_is_host else 0))
 
+    # Host buffers of a GPU run are pinned, and pinned memory is handed out in powers of two
+    # (offload/tiers.py, pinned_bytes): plan what they really take (desk review H4).
+    host_size = (lambda b: b) if device_is_host else pinned_bytes
+    host_block_bytes = [host_size(b) for b in block_bytes]
+
     def staging_for(res: list[str]) -> int:
         if "nvme" not in res or not staging_needed:
             return 0
-        return nvme_ahead * (max(stored_block_bytes[i] for i, r in enumerate(res) if r == "nvme") + ALIGN)
+        return nvme_ahead * host_size(
+            max(stored_block_bytes[i] for i, r in enumerate(res) if r == "nvme") + ALIGN)
 
     def needs(res: list[str], batch: int) -> tuple[int, int, int, int]:
         count, slot_b = slots_for(res)
         stage = staging_for(res)
         dev = fixed(batch) + slot_b + sum(b for b, r in zip(block_bytes, res) if r == "device")
-        host = stage + sum(b for b, r in zip(block_bytes, res) if r == "cpu")
+        host = stage + sum(b for b, r in zip(host_block_bytes, res) if r == "cpu")
         if device_is_host:
             dev, host = dev + host, dev + host
         return dev, host, count, slot_b
@@ -220,7 +227,7 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
                 res[i] = "device"
             if not device_is_host:
                 rest = [i for i in range(n) if res[i] != "device"]
-                rest_bytes = [block_bytes[i] for i in rest]
+                rest_bytes = [host_block_bytes[i] for i in rest]
                 if sum(rest_bytes) <= host_budget:
                     k_host = len(rest)  # nothing left for NVMe: no staging to reserve
                 else:
@@ -249,7 +256,7 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
     # The leanest way to run on the device: every block streamed, from host RAM when it all fits
     # there (fewer slots), else from NVMe.
     leanest = ["nvme"] * n
-    if not device_is_host and sum(block_bytes) <= host_budget:
+    if not device_is_host and sum(host_block_bytes) <= host_budget:
         leanest = ["cpu"] * n
     _check(plan, force, device_budget_flag, host_budget_flag, biggest, leanest, max_batch_for, needs)
     return plan
@@ -307,17 +314,23 @@ def measure_links(device: torch.device, read_paths: list[str], seconds: float = 
 
 def _probe_copy(device: torch.device, seconds: float, nbytes: int) -> float:
     cuda = device.type == "cuda"
-    src = aligned_empty(nbytes, pin=cuda)
+    src = host_aligned(nbytes, cuda)
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst.copy_(src)  # warm-up (first touch, lazy CUDA init)
     done, t0 = 0, time.perf_counter()
     while True:
         if cuda:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            stop.record()
+            # the events go on the probed device's stream: recorded on the current device's
+            # (GPU 0 in a --gpu 1 run) the wait would be on an idle GPU and the bandwidth
+            # several times too high (desk review L3)
+            stream = torch.cuda.current_stream(device)
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True, blocking=True)
+            start.record(stream)
+            with on_stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stop.record(stream)
             stop.synchronize()  # start-up probe only: waits on its own event
         else:
             dst.copy_(src)

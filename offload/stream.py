@@ -53,7 +53,8 @@ from torch import nn
 
 from nvme.io import ALIGN, IOEngine, aligned_empty
 from offload.blocks import Block, ParamSlot, bind_views
-from offload.tiers import return_large_frees_to_os, started_worker
+from offload.gpu import host_event, on_stream, side_stream_delay
+from offload.tiers import freeze_pin_cap, host_aligned, return_large_frees_to_os, started_worker
 
 RESIDENCIES = ("device", "cpu", "nvme")
 
@@ -113,7 +114,8 @@ class _Slot:
 class _Staging:
     def __init__(self, raw: torch.Tensor, cuda: bool):
         self.raw = raw  # uint8 host buffer (pinned on CUDA), 4 KiB aligned
-        self.done = torch.cuda.Event() if cuda else None  # its last host->device copy finished
+        # its last host->device copy finished; the stage thread sleeps on it (blocking event)
+        self.done = host_event() if cuda else None
         self.done_recorded = False
 
 
@@ -158,6 +160,8 @@ class BlockStreamer:
         self.fetch_delay_s = fetch_delay_s
         self.expected_crc32 = expected_crc32
         self.pin = pin and self.cuda
+        if self.pin:
+            freeze_pin_cap()  # before the first pinned buffer: see offload/tiers.py
         self.stats = StreamStats()
         self._files = list(files) if files is not None else [None] * len(layers)
         # cpu-tier blocks whose flat host buffer (compute dtype, parameters in module order) the
@@ -308,17 +312,25 @@ class BlockStreamer:
         for _ in range(n_slots):
             raw = (torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda
                    else aligned_empty(slot_bytes + ALIGN))  # +ALIGN: room to line up with the file
+            if self.cuda:
+                # allocated on the compute stream, written on the copy stream: when the slot is
+                # freed (close, or the model dropped with prefetches still in flight) the
+                # allocator must not hand its memory out before those copies finish (review M3)
+                raw.record_stream(self.copy_stream)
             self.slots.append(_Slot(raw, self.cuda))
         self._free_slots = list(self.slots)
         staged = [i for i in streamed if self.residency[i] == "nvme" and not self._direct_into_slot(i)]
         if staged:
             stored_bytes = max(self._stored_bytes(i) for i in staged)
             for _ in range(self.depth["nvme"]):
-                self.staging.append(_Staging(aligned_empty(stored_bytes + ALIGN, pin=self.pin), self.cuda))
+                # +ALIGN: room to line the buffer up with the file offset, so reads are O_DIRECT
+                # straight into it (pinned and capped under CUDA: offload/tiers.py)
+                self.staging.append(_Staging(host_aligned(stored_bytes + ALIGN, self.pin), self.cuda))
             if self.cuda and any(self._stored_dtype[i] != self.dtype for i in staged):
                 # Bytes land here in the stored dtype, then are converted into the slot on the
                 # copy stream; the stream's own order protects it between fetches.
                 self._landing = torch.empty(stored_bytes, dtype=torch.uint8, device=self.device)
+                self._landing.record_stream(self.copy_stream)  # as the slots (review M3)
         self._staging_next = 0
         self._executor = started_worker("offload-fetch")
 
@@ -375,8 +387,13 @@ class BlockStreamer:
             flat = torch.empty(self.blocks[i].numel, dtype=self.dtype, device=self.device)
             flat.copy_(host_flat)  # setup only: a plain blocking copy is fine here
             del host
-        else:  # host memory: the device on CPU, or the cpu tier (pinned under CUDA)
-            raw = aligned_empty(nbytes + ALIGN, pin=self.pin and tier == "cpu")
+        elif self.cuda:  # the cpu tier under CUDA: pinned (capped), exactly the block's bytes
+            # (no +ALIGN shift: under the allocator's power-of-two rounding it could double the
+            # block; the one load reads through the IO engine's bounce buffer instead)
+            flat = host_aligned(nbytes, self.pin).view(self.dtype)
+            self._fill_host(i, flat)
+        else:  # host memory on a CPU device, lined up with the file for O_DIRECT reads
+            raw = aligned_empty(nbytes + ALIGN)
             flat = _aligned_view(raw, self._shift[i], nbytes).view(self.dtype)
             self._fill_host(i, flat)
         if tier == "cpu" and not self.zero_copy_host:
@@ -451,13 +468,14 @@ class BlockStreamer:
             raw = _aligned_view(staging.raw, self._shift[i], self._stored_bytes(i))
             self._read_runs(i, raw)
             moved["disk"] = self._stored_bytes(i)
-        with torch.cuda.stream(self.copy_stream):
+        with on_stream(self.copy_stream):
             if wait_free is not None:
                 # Kernels of the slot's previous owner may still be queued on the compute
                 # stream; the copy stream (not the host) waits for them.
                 self.copy_stream.wait_event(wait_free)
             if self.fetch_delay_s and hasattr(torch.cuda, "_sleep"):
                 torch.cuda._sleep(int(self.fetch_delay_s * 1e9))  # ~1 GHz cycles: a late copy
+            side_stream_delay(self.copy_stream)  # the kit's knob (offload/gpu.py)
             if staging is None:  # cpu tier: pinned host buffer -> slot, one copy
                 dst.copy_(self._host[i], non_blocking=True)
             elif self._stored_dtype[i] == self.dtype:
@@ -600,14 +618,20 @@ class BlockStreamer:
         for i, st in enumerate(self.state):
             if st == "in_use":
                 self.release(i)
-        for i in list(self._jobs):
-            fut, slot = self._jobs.pop(i)
-            try:
-                fut.result()
-            finally:
-                self.state[i] = "absent"
-                slot.owner = None
-                self._free_slots.append(slot)
+        try:
+            for i in list(self._jobs):
+                fut, slot = self._jobs.pop(i)
+                try:
+                    fut.result()
+                finally:
+                    self.state[i] = "absent"
+                    slot.owner = None
+                    self._free_slots.append(slot)
+        finally:
+            if self.copy_stream is not None:
+                # the copies just issued may still be running on the GPU: whatever the compute
+                # stream does next with this memory (a new owner after close) comes after them
+                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def close(self) -> None:
         self.detach()

@@ -110,12 +110,13 @@ def check_fits(tier: str, need_bytes: int, budget_bytes: int | None, free_bytes:
 _PIN_WARNED = False
 # Page-locked memory cannot be swapped or reclaimed: pinning most of the RAM starves every
 # other program (and this one's pageable allocations). We pin at most this fraction of the
-# RAM available when a buffer is requested, summed over the live pinned buffers; the rest are
-# pageable (the documented fallback: slower host<->device copies, the same results).
+# RAM available when the cap is fixed, summed over the live pinned buffers; the rest are
+# pageable (the documented fallback: same results, but copies from or to them are synchronous).
 # RLIMIT_MEMLOCK (ulimit -l) is not used as the cap: CUDA's pinned allocator (cudaHostAlloc)
 # locks pages through the driver and is not bound by it; see docs/RELIABILITY.md.
 PIN_RAM_FRACTION = 0.5
 _pinned_bytes = 0
+_pin_cap_bytes: int | None = None  # fixed by freeze_pin_cap(); None: measured per request
 _pinned_lock = threading.Lock()
 
 
@@ -123,15 +124,61 @@ def pin_possible(pin: bool) -> bool:
     return pin and torch.cuda.is_available()
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """What `nbytes` of pinned memory really takes: torch's caching host allocator rounds every
+    request up to a power of two (CachingHostAllocator.h, allocate()) and keeps freed blocks
+    cached for reuse. Plans and the cap count this size, not the request (desk review H4)."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def freeze_pin_cap() -> int:
+    """Fix the pinned-memory cap for the rest of the process from the RAM available now (the
+    first engine or streamer to start does it, before allocating). Measured per request
+    instead, every earlier allocation, pageable ones included, would lower the cap, and the
+    buffers requested last -- the upload ring, landing buffers -- would lose their pinning."""
+    global _pin_cap_bytes
+    with _pinned_lock:
+        if _pin_cap_bytes is None:
+            _pin_cap_bytes = int((host_free_bytes() + _pinned_bytes) * PIN_RAM_FRACTION)
+        return _pin_cap_bytes
+
+
+def reset_pin_cap(cap_bytes: int | None = None) -> None:
+    """Set (or with None, unfix) the cap: for tests and for a process that starts over."""
+    global _pin_cap_bytes
+    with _pinned_lock:
+        _pin_cap_bytes = cap_bytes
+
+
 def pin_limit_bytes() -> int:
     """The most pinned host memory live at once (see PIN_RAM_FRACTION)."""
-    return int(host_free_bytes() * PIN_RAM_FRACTION)
+    cap = _pin_cap_bytes
+    return cap if cap is not None else int(host_free_bytes() * PIN_RAM_FRACTION)
 
 
 def pin_allowed(nbytes: int) -> bool:
-    """Whether `nbytes` more may be pinned on top of the live pinned buffers."""
+    """Whether `nbytes` (already rounded: pinned_bytes) more may be pinned on top of the live
+    pinned buffers."""
+    limit = pin_limit_bytes()
     with _pinned_lock:
-        return _pinned_bytes + nbytes <= pin_limit_bytes()
+        return _pinned_bytes + nbytes <= limit
+
+
+def pinned_live_bytes() -> int:
+    """Pinned host memory held by live buffers (rounded sizes)."""
+    with _pinned_lock:
+        return _pinned_bytes
+
+
+def _reserve_pinned(nbytes: int) -> bool:
+    """Count `nbytes` (rounded) against the cap if it fits; False when it does not."""
+    global _pinned_bytes
+    limit = pin_limit_bytes()  # outside the lock: it may measure RAM
+    with _pinned_lock:
+        if _pinned_bytes + nbytes > limit:
+            return False
+        _pinned_bytes += nbytes
+        return True
 
 
 def _unpinned(nbytes: int) -> None:
@@ -144,32 +191,47 @@ def _warn_pageable(nbytes: int, why: str) -> None:
     global _PIN_WARNED
     if not _PIN_WARNED:
         warnings.warn(f"pinning {format_bytes(nbytes)} of host memory {why}; using pageable "
-                      f"memory (slower transfers, same results)")
+                      f"memory: same results, but gradient copies and weight uploads from or "
+                      f"into it become synchronous (the GPU waits on the host)")
         _PIN_WARNED = True
+
+
+def pinned_or_pageable(nbytes: int, pin: bool, allocate) -> torch.Tensor:
+    """`allocate(pinned: bool)` under the pinned-memory policy: pinned when asked, CUDA exists
+    and the rounded size fits the cap, else (or if pinning fails) pageable, with one warning.
+    The one place every pinned host allocation goes through."""
+    if not pin_possible(pin):
+        return allocate(False)
+    rounded = pinned_bytes(nbytes)
+    if not _reserve_pinned(rounded):
+        _warn_pageable(nbytes, f"would exceed the pinned-memory cap of "
+                               f"{format_bytes(pin_limit_bytes())} (half the available RAM)")
+        return allocate(False)
+    try:
+        t = allocate(True)
+    except RuntimeError as e:
+        _unpinned(rounded)
+        _warn_pageable(nbytes, f"failed ({e})")
+        return allocate(False)
+    # on the storage, not the tensor: callers keep views (`.view(dtype)`, slices) and drop the
+    # tensor returned here; the memory stays pinned until the last view is gone
+    weakref.finalize(t.untyped_storage(), _unpinned, rounded)
+    return t
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A flat host tensor, page-locked when asked and CUDA exists (pinned memory is what lets
-    device<->host copies run asynchronously at full link speed). Beyond the pinned-memory cap,
-    or if pinning fails (fragmentation, driver limits), the buffer is pageable, with one
-    warning: slower copies, same results."""
-    global _pinned_bytes
-    nbytes = numel * dtype.itemsize
-    if pin_possible(pin):
-        if not pin_allowed(nbytes):
-            _warn_pageable(nbytes, f"would exceed the pinned-memory cap of "
-                                   f"{format_bytes(pin_limit_bytes())} (half the available RAM)")
-        else:
-            try:
-                t = torch.empty(numel, dtype=dtype, pin_memory=True)
-            except RuntimeError as e:
-                _warn_pageable(nbytes, f"failed ({e})")
-            else:
-                with _pinned_lock:
-                    _pinned_bytes += nbytes
-                weakref.finalize(t, _unpinned, nbytes)
-                return t
-    return torch.empty(numel, dtype=dtype)
+    device<->host copies run asynchronously at full link speed); see pinned_or_pageable."""
+    return pinned_or_pageable(numel * dtype.itemsize, pin,
+                              lambda pinned: torch.empty(numel, dtype=dtype, pin_memory=pinned))
+
+
+def host_aligned(nbytes: int, pin: bool) -> torch.Tensor:
+    """A 4 KiB-aligned uint8 host buffer (an O_DIRECT target) of exactly `nbytes`, under the same
+    pinned-memory policy. Exact size: pinned blocks are page-aligned already, and asking for
+    more to align by hand would double the block under the allocator's power-of-two rounding."""
+    from nvme.io import aligned_empty
+    return pinned_or_pageable(nbytes, pin, lambda pinned: aligned_empty(nbytes, pin=pinned))
 
 
 def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nvme.io import ALIGN
 from offload.config import ConfigError, OffloadConfig, format_bytes
+from offload.grads import D2H_BACKLOG_BLOCKS
 from offload.tiers import (TIERS, BudgetError, check_fits, device_free_bytes, disk_free_bytes,
-                           host_free_bytes)
+                           host_free_bytes, pinned_bytes)
 
 
 @dataclass
@@ -120,7 +122,12 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     n, largest = sum(sizes), max(sizes)
     itemsize = cfg.torch_dtype.itemsize
     streamed = cfg.offload_params != "none" and bool(layers)
-    grad_bytes = n * (4 if cfg.grad_accum_steps > 1 else itemsize)
+    cuda = device.type == "cuda"
+    # Host buffers that cross the link are pinned on a GPU, and pinned memory comes in powers
+    # of two (offload/tiers.py, pinned_bytes): plan what they really take (desk review H4).
+    pin = pinned_bytes if cuda and cfg.pin_memory else (lambda b: b)
+    grad_item = 4 if cfg.grad_accum_steps > 1 else itemsize
+    grad_bytes = sum(pin(b * grad_item) for b in sizes)
     plan = TrainingPlan(cfg, device, n, largest, len(blocks))
     dev: dict[str, int] = {}
     host: dict[str, int] = {}
@@ -131,10 +138,13 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         depth = cfg.prefetch_blocks if cfg.offload_params == "nvme" else 1
         dev["weights"] = (n - sum(layers)) * itemsize + (1 + depth) * largest_layer * itemsize
         if cfg.offload_params == "cpu":
-            host["weights"] = sum(layers) * itemsize
+            host["weights"] = sum(pin(b * itemsize) for b in layers)
         else:
             nvme["weights"] = sum(layers) * itemsize
+            # the write-behind ring of updated weights (pageable: it only goes to disk)
             host["buffers"] = cfg.buffer_count * largest_layer * itemsize
+            if cuda:  # the streamer's pinned staging between disk and device
+                host["buffers"] += depth * pin(largest_layer * itemsize + ALIGN)
     else:
         dev["weights"] = n * itemsize
     if activations is not None:
@@ -144,14 +154,17 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         dev["activations"] = kept + activations.head + (
             activations.full if cfg.activation_checkpointing else 0)
         if cfg.offload_activations:
-            host["activations"] = activations.input * len(layers)
+            host["activations"] = pin(activations.input) * len(layers)
     if cfg.offload == "none":
-        dev.update(grads=grad_bytes, masters=n * 4, moments=n * 8)
+        dev.update(grads=n * grad_item, masters=n * 4, moments=n * 8)
         return plan
     pool = grad_pool_buffers(cfg, len(blocks))
     if pool:  # layers share `pool` buffers; the other blocks keep their own
         pooled = layers or sizes
-        host["grads"] = (pool * max(pooled) + n - sum(pooled)) * itemsize
+        others = list(sizes)
+        for b in pooled:
+            others.remove(b)
+        host["grads"] = pool * pin(max(pooled) * itemsize) + sum(pin(b * itemsize) for b in others)
     else:
         host["grads"] = grad_bytes
     if cfg.delayed_update:
@@ -159,12 +172,15 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         # while the next backward lands its gradients and reads the weights in use
         host["grads"] *= 2
         dev["weights"] *= 2
-    if device.type == "cuda":
+    if cuda:
         # pinned staging the 16-bit weights are uploaded from (a ring of buffer_count blocks)
         ring = max(2, min(cfg.buffer_count, len(blocks)))
-        host["buffers"] = host.get("buffers", 0) + ring * largest * itemsize
+        host["buffers"] = host.get("buffers", 0) + ring * pin(largest * itemsize)
         if cfg.grad_accum_steps > 1:  # 16-bit gradients staged before the fp32 host add
-            host["buffers"] += n * itemsize
+            host["buffers"] += sum(pin(b * itemsize) for b in sizes)
+        # device gradients waiting for their copy to the host: bounded by back-pressure in
+        # the landing hook (offload/grads.py, D2H_BACKLOG_BLOCKS; desk review M5)
+        dev["grads"] = D2H_BACKLOG_BLOCKS * largest * itemsize
     if cfg.offload == "cpu":
         host.update(masters=n * 4, moments=n * 8)
     else:

@@ -22,15 +22,17 @@ from typing import Any
 import torch
 
 from offload.config import format_bytes
-from runners.common import Parser, fail, note_unused_tensors, run_main, select_device, writable_dir
+from runners.common import (Parser, dtype_label, fail, note_unused_tensors, run_main, select_device,
+                            select_dtype, writable_dir)
 from runners.rundir import RunDirectory, check_resume, check_run_paths, trajectory
 
-DEFAULTS = dict(model="tiny", offload="cpu", dtype="fp32", steps=100, batch_size=16,
+DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size=16,
                 micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                 weight_decay=0.0, grad_clip=1.0, eval_every=50, save_every=0, seed=0)
 # the StepReport fields summed into the run's time split and logged per update
 TIME_KEYS = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s",
-             "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s")
+             "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s",
+             "forward_gpu_s", "backward_gpu_s")  # the last two: CUDA only (None on the CPU)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "from the budgets")
     ap.add_argument("--offload-dir", default=None, help="directory for NVMe swap files "
                     "(default: OUTPUT/swap); only with --offload nvme")
-    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                    help=f"weights/gradients dtype on the device (default {d['dtype']})")
+    ap.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+                    help=f"weights/gradients dtype on the device (default {d['dtype']}: bf16 on a GPU "
+                    "(fp16 where bf16 is unsupported), fp32 on the CPU)")
     ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
     ap.add_argument("--batch-size", type=int, default=None, help=f"sequences per update (default "
                     f"{d['batch_size']}, or a DeepSpeed --config's train_batch_size)")
@@ -188,21 +191,25 @@ def engine_config(args: argparse.Namespace, device: torch.device):
     from offload.config import AutoValues, OffloadConfig, load_config_file
 
     mb = args.micro_batch_size or args.batch_size
+    # "auto": bf16 on a GPU -- fp32 there would run full-fp32 GEMMs (TF32 is off by default)
+    # and move twice the bytes per gradient and upload (desk review M4)
+    dtype = dtype_label(select_dtype(args.dtype, device)) if args.dtype else None
     auto = AutoValues(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      dtype=args.dtype, micro_batch_size=mb,
+                      dtype=dtype, micro_batch_size=mb,
                       grad_accum_steps=args.batch_size // mb if args.batch_size else None)
     notes: list[str] = []
     base = load_config_file(args.config, auto=auto, notes=notes).to_dict() if args.config else {}
     for note in notes:  # DeepSpeed keys accepted but without effect here: never silently
         print(f"note: {note}", file=sys.stderr)
     _config_batch(args, base)
-    explicit = {"offload": args.offload, "dtype": args.dtype, "lr": args.lr,
+    explicit = {"offload": args.offload, "dtype": dtype, "lr": args.lr,
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip}
     for key, value in explicit.items():
         if value is not None:
             base[key] = value
         elif key not in base or not args.config:
-            base[key] = DEFAULTS[key]
+            base[key] = (dtype_label(select_dtype(DEFAULTS[key], device)) if key == "dtype"
+                         else DEFAULTS[key])
     if args.offload_params is not None:
         base["offload_params"] = args.offload_params
     if args.activation_checkpointing:
@@ -384,7 +391,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
         except BaseException:
             engine.close(after_error=True)  # in-process callers get the swap lock back
             raise
-        set_rng_state(trainer["rng"])
+        set_rng_state(trainer["rng"], device)
         print(f"resumed from {resume_dir} at update {engine.global_step}")
     history: list[dict[str, Any]] = trainer.get("history", [])
     stop = StopRequested()
@@ -415,7 +422,7 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
     totals: dict[str, float] = {}
 
     def checkpoint() -> str:
-        state = {"step": engine.global_step, "data_position": order.position, "rng": rng_state(),
+        state = {"step": engine.global_step, "data_position": order.position, "rng": rng_state(device),
                  "history": history, "model_config": model_cfg.to_hf(),
                  "data_fingerprint": fingerprint, "trajectory": now,
                  "eval_loss0": eval_loss0,
@@ -436,20 +443,23 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
         engine.set_lr(lr_at(step, cfg.lr, args.warmup_steps, args.steps, args.min_lr_ratio))
         t0 = time.perf_counter()
         batch = order.take(args.batch_size)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i in range(0, args.batch_size, micro):
             rows = data.batch(batch[i:i + micro]).to(device)
             logits = model(rows.ids[:, :-1], **rows.model_inputs())
             loss = masked_lm_loss(logits, rows.ids[:, 1:], rows.mask)
             engine.backward(loss)
             engine.step()
-            loss_sum += loss.detach().item()
+            # summed on the device, read once per update: .item() per micro-batch would make
+            # the host wait for each backward before queueing the next forward (review L6)
+            loss_sum += loss.detach().float()
+        loss_sum = float(loss_sum)
         dt = time.perf_counter() - t0
         rep = engine.last_report
         tokens = args.batch_size * args.seq_len
         tokens_run += tokens
         for k in TIME_KEYS:
-            totals[k] = totals.get(k, 0.0) + getattr(rep, k)
+            totals[k] = totals.get(k, 0.0) + (getattr(rep, k) or 0.0)
         for k, v in rep.bytes.items():
             totals["bytes_" + k] = totals.get("bytes_" + k, 0) + v
         totals["step_s"] = totals.get("step_s", 0.0) + dt

@@ -29,7 +29,9 @@ class Banner:
                                           if torch.cuda.is_available() else ""))
         why_offload = {"none": "everything on the device (the plain reference path)",
                        "cpu": "fp32 masters + Adam moments in host RAM"
-                              + (" (pinned)" if cfg.pin_memory and self.device.type == "cuda" else ""),
+                              + (" (pageable: the CPU step reads them in place; the buffers that "
+                                 "cross the link are the pinned ones)"
+                                 if cfg.pin_memory and self.device.type == "cuda" else ""),
                        "nvme": f"fp32 masters + Adam moments in swap files under {cfg.nvme_dir}, "
                                f"{cfg.buffer_count} staging buffers, read ahead during forward/backward"}
         accum = cfg.grad_accum_steps
@@ -92,6 +94,10 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
     lines.append("  time split           seconds   share")
     for name, v in parts + [("other (data, eval-free loop)", other)]:
         lines.append(f"    {name:<28} {v:8.2f}  {100 * v / step_s:5.1f}%")
+    if t("forward_gpu_s") or t("backward_gpu_s"):
+        # on a GPU the host times above are mostly kernel queueing; this is the GPU's own time
+        lines.append(f"    on the GPU (timing events): forward {t('forward_gpu_s'):.2f} s, "
+                     f"backward {t('backward_gpu_s'):.2f} s")
     if hidden_step or hidden_upload:
         lines.append(f"    on the step thread, hidden behind forward/backward: CPU step "
                      f"{hidden_step:.2f} s, weight upload {hidden_upload:.2f} s")
