@@ -26,10 +26,10 @@ def _copy_into(dst: nn.Module, src: nn.Module) -> None:
             p.copy_(q)
 
 
-def reference_delayed(model, batches, loss_fn, *, cfg, warmup):
+def reference_delayed(model, batches, loss_fn, *, cfg, warmup, fused=None):
     master = copy.deepcopy(model)
     opt = torch.optim.AdamW(master.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                            weight_decay=cfg.weight_decay)
+                            weight_decay=cfg.weight_decay, fused=fused)
     accum, pending, updates, losses = cfg.grad_accum_steps, False, 0, []
     for i, batch in enumerate(batches):
         loss = loss_fn(model, batch)

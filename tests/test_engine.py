@@ -54,8 +54,9 @@ def hf_loss(model, ids):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def reference_train(model, batches, loss_fn, *, lr, betas, eps, wd, clip, accum):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+def reference_train(model, batches, loss_fn, *, lr, betas, eps, wd, clip, accum, fused=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
+                            fused=fused)
     losses = []
     for i, batch in enumerate(batches):
         loss = loss_fn(model, batch)

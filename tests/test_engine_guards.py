@@ -10,6 +10,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+
+pytest.importorskip("hypothesis", reason="property tests need hypothesis: pip install -e '.[test]' "
+                    "(the GPU machine has none; its kit is `pytest -m cuda`)")
+
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn

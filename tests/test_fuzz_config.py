@@ -10,6 +10,10 @@ import math
 import os
 
 import pytest
+
+pytest.importorskip("hypothesis", reason="property tests need hypothesis: pip install -e '.[test]' "
+                    "(the GPU machine has none; its kit is `pytest -m cuda`)")
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

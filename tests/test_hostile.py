@@ -13,6 +13,10 @@ import struct
 
 import pytest
 import torch
+
+pytest.importorskip("hypothesis", reason="property tests need hypothesis: pip install -e '.[test]' "
+                    "(the GPU machine has none; its kit is `pytest -m cuda`)")
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -15,6 +15,10 @@ import zlib
 
 import pytest
 import torch
+
+pytest.importorskip("hypothesis", reason="property tests need hypothesis: pip install -e '.[test]' "
+                    "(the GPU machine has none; its kit is `pytest -m cuda`)")
+
 from hypothesis import given, settings, strategies as st
 
 import nvme.io

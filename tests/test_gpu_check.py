@@ -1,0 +1,126 @@
+"""scripts/gpu_check.py, the GPU proof kit, tested on the CPU: its help, its refusal without
+CUDA, and its orchestration (--allow-cpu runs every phase with tiny sizes). Every run is a
+subprocess of the script, the way it is used."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_check.py")
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_names_every_phase_and_option():
+    r = run("--help")
+    assert r.returncode == 0, r.stderr
+    for word in ("tests", "train", "infer", "big", "TORCH_CUDA_SANITIZER", "OFFLOAD_CUDA_SIDE_DELAY_CYCLES",
+                 "accelerate", "floor", "--budget-s", "--phases", "--json", "--allow-cpu", "--train-presets",
+                 "--infer-presets", "--seq-len", "--micro-batch", "--test-timeout-s"):
+        assert word in r.stdout, word
+    assert "--_child" not in r.stdout  # the internal entry point stays out of the help
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would run")
+def test_refuses_without_cuda_in_one_line(tmp_path):
+    r = run("--json", str(tmp_path / "out.json"))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: no CUDA device here"), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_bad_phase_is_a_usage_error():
+    r = run("--allow-cpu", "--phases", "train,warp")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--phases" in r.stderr
+
+
+def test_smoke_train_and_infer_on_cpu(tmp_path):
+    out = tmp_path / "out.json"
+    r = run("--allow-cpu", "--phases", "train,infer", "--train-presets", "tiny", "--train-modes",
+            "none", "cpu", "nvme", "--train-steps", "1", "--infer-presets", "tiny", "--infer-batches",
+            "1", "--new-tokens", "3", "--budget-s", "400", "--json", str(out),
+            "--work-dir", str(tmp_path / "work"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "| phase | item | result | reference | ratio | goal met? |" in r.stdout
+    res = json.loads(out.read_text())
+    assert {"date", "argv", "machine", "phases", "table", "elapsed_s"} <= set(res)
+    assert {"torch", "cuda", "cpu_model", "nvidia_smi_L", "h2d_gbps"} <= set(res["machine"])
+    assert res["phases"]["tests"] == {"skipped": "not selected (--phases)"}
+    assert res["phases"]["big"] == {"skipped": "not selected (--phases)"}
+
+    train = {row["mode"]: row for row in res["phases"]["train"]}
+    assert set(train) == {"none", "cpu", "nvme"}
+    for row in train.values():
+        assert row["step_s"] > 0 and row["tflops"] > 0 and len(row["steps_s"]) == 1, row
+        assert {"forward_s", "backward_s", "cpu_step_s", "io_wait_s", "upload_s"} <= set(row["split_s"])
+        assert row["peak_rss_bytes"] > 0
+    assert train["cpu"]["vs_none"] == pytest.approx(train["cpu"]["tflops"] / train["none"]["tflops"])
+    assert train["nvme"]["reports"][0]["bytes"]["nvme_write"] > 0  # the state really went to disk
+
+    (infer,) = res["phases"]["infer"]
+    assert "path" in infer["checkpoint"]
+    runs = {(x["weights"], x["batch"]): x for x in infer["runs"]}
+    assert set(runs) == {("cpu", 1), ("nvme", 1)}
+    for x in runs.values():
+        assert x["rc"] == 0 and x["s_per_token"] > 0 and x["metrics"]["decode_steps"] == 2, x
+    # streamed from NVMe there is a floor (disk bytes / bandwidth); on a CPU device nothing
+    # crosses a host->device link, and the check says so rather than inventing one
+    assert runs[("nvme", 1)]["vs_floor"] > 0
+    assert runs[("cpu", 1)]["floor_source"].startswith("no floor")
+    assert infer["accelerate"]["s_per_token"] > 0
+    assert infer["vs_accelerate"] == pytest.approx(infer["accelerate"]["s_per_token"]
+                                                   / runs[("cpu", 1)]["s_per_token"])
+    assert not os.path.exists(infer["checkpoint"]["path"])  # deleted after its preset
+    assert not any(name.startswith("swap-") for name in os.listdir(tmp_path / "work"))
+
+
+def test_tests_phase_counts_failures_and_sanitizer_lines(tmp_path):
+    """A stand-in for tests/: one test always passes, one fails only with the sanitizer on (its
+    message names CSAN), one only with the delay knobs set, an unmarked one is deselected and a
+    module that cannot be imported is noted."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_fake_cuda.py").write_text(
+        "import os\nimport pytest\n\npytestmark = pytest.mark.cuda\n\n\n"
+        "def test_passes():\n    pass\n\n\n"
+        "def test_sanitizer_clean():\n"
+        "    assert 'TORCH_CUDA_SANITIZER' not in os.environ, 'CSAN detected a possible data race'\n\n\n"
+        "def test_delays_change_nothing():\n"
+        "    assert 'OFFLOAD_CUDA_SIDE_DELAY_CYCLES' not in os.environ\n")
+    (suite / "test_not_cuda.py").write_text("def test_unmarked():\n    assert False\n")
+    # a module needing a package the GPU machine lacks (hypothesis, say): noted, not a failure
+    (suite / "test_needs_missing.py").write_text("import package_that_is_not_installed\n")
+    out = tmp_path / "out.json"
+    r = run("--allow-cpu", "--phases", "tests", "--tests-path", str(suite), "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = {x["run"]: x for x in json.loads(out.read_text())["phases"]["tests"]}
+    assert runs["plain"]["ok"] and runs["plain"]["passed"] == 3 and runs["plain"]["failed"] == 0
+    assert runs["plain"]["sanitizer_reports"] == 0
+    (missing,) = runs["plain"]["collection_errors"]
+    assert "test_needs_missing" in missing["module"] and "package_that_is_not_installed" in missing["why"]
+    assert not runs["sanitizer"]["ok"] and runs["sanitizer"]["sanitizer_reports"] >= 1
+    assert runs["sanitizer"]["failures"] == ["test_fake_cuda::test_sanitizer_clean"]
+    assert runs["delays"]["env"]["OFFLOAD_CUDA_HOST_DELAY_S"] == "0.002"
+    assert runs["delays"]["failures"] == ["test_fake_cuda::test_delays_change_nothing"]
+
+
+def test_time_budget_skips_instead_of_measuring(tmp_path):
+    out = tmp_path / "out.json"
+    r = run("--allow-cpu", "--phases", "train,infer,big", "--budget-s", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert all(row["skipped"] == "time budget" and "tflops" not in row for row in res["phases"]["train"])
+    assert res["phases"]["infer"][0]["skipped"] == "time budget"
+    assert res["phases"]["big"] == {"skipped": "time budget"}
+    assert "skipped: time budget" in r.stdout
