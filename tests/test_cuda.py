@@ -62,12 +62,16 @@ def _deterministic():
     if not HAVE_CUDA:
         yield
         return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     det = torch.are_deterministic_algorithms_enabled()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        yield
+        # the flash / memory-efficient attention backwards are not deterministic run to run;
+        # the math kernel is (and transformers' reference takes the same one in-process)
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         torch.use_deterministic_algorithms(det)
@@ -342,7 +346,7 @@ def test_training_peak_device_memory_within_the_plan(kw, tmp_path):
     retries0 = torch.cuda.memory_stats(DEV).get("num_alloc_retries", 0)
     engine = offload.initialize(model, cfg)
     blocks = [(b.numel, b.module is not None) for b in engine.blocks]
-    acts = llama_activation_estimate(model.config, micro, seq - 1, torch.bfloat16)
+    acts = llama_activation_estimate(model.config, micro, seq, torch.bfloat16)  # hf_loss: all seq
     plan = plan_training(blocks, cfg, DEV, acts)
     try:
         for ids in batches:
@@ -510,23 +514,28 @@ def test_H4_pinned_bytes_within_the_inference_plan(tmp_path):
     from tests.test_generate import _checkpoint
 
     _checkpoint(tmp_path, "llama")
-    before = tiers.pinned_live_bytes()
+
+    def allocator_bytes() -> int | None:  # what torch's pinned allocator hands out, if it says
+        stats = getattr(torch.cuda, "host_memory_stats", None)
+        value = stats().get("allocated_bytes.current") if stats is not None else None
+        return value if isinstance(value, int) else None
+
+    before, before_alloc = tiers.pinned_live_bytes(), allocator_bytes()
     with CheckpointReader(tmp_path) as reader:
         model, streamer = load_streamed(reader, ["cpu"] * 4, device=DEV, dtype=torch.bfloat16)
         try:
             held = tiers.pinned_live_bytes() - before
+            assert all(streamer.host_buffer(i).is_pinned() for i in range(4))
             blocks = [streamer.block_bytes(i) for i in range(4)]
             plan = plan_inference(block_bytes=blocks, stored_block_bytes=blocks, non_block_bytes=0,
                                   batch_size=1, context=16, kv_bytes_per_seq=0, workspace_per_seq=0,
                                   device_budget=10**12, host_budget=10**12, device_is_host=False,
                                   force="cpu")
             assert held <= plan.host_need, (held, plan.host_need)
-            stats = getattr(torch.cuda, "host_memory_stats", None)
-            if stats is not None:
-                s = stats()
-                allocated = s.get("allocated_bytes.current", s.get("allocation.current"))
-                if isinstance(allocated, int) and allocated > 1:  # bytes, not a count
-                    assert allocated - 0 <= 1.1 * (plan.host_need + before) + (64 << 20)
+            after_alloc = allocator_bytes()
+            if before_alloc is not None and after_alloc is not None:
+                assert after_alloc - before_alloc <= 1.1 * plan.host_need, \
+                    (after_alloc - before_alloc, plan.host_need)
         finally:
             streamer.close()
 

@@ -124,3 +124,17 @@ def test_time_budget_skips_instead_of_measuring(tmp_path):
     assert res["phases"]["infer"][0]["skipped"] == "time budget"
     assert res["phases"]["big"] == {"skipped": "time budget"}
     assert "skipped: time budget" in r.stdout
+
+
+def test_sanitizer_reports_name_the_record_stream_false_positive():
+    """Reports on aten::record_stream (flagged by torch's sanitizer before pytorch#172562) are
+    counted apart from the others; every report's header line is kept."""
+    from conftest import load_script
+    gpu_check = load_script("gpu_check")
+    out = ("CSAN detected a possible data race on tensor with data pointer 1\n"
+           "Access by stream 2 during kernel:\naten::record_stream(Tensor(a!) self, Stream s)\n"
+           "CSAN detected a possible data race on tensor with data pointer 3\n"
+           "Access by stream 4 during kernel:\naten::mul.out(Tensor self, Tensor other)\n")
+    lines, record_stream_only = gpu_check.sanitizer_reports(out)
+    assert len(lines) == 2 and record_stream_only == 1
+    assert gpu_check.sanitizer_reports("12 passed\n") == ([], 0)
