@@ -33,7 +33,7 @@ from offload.config import ConfigError, OffloadConfig, as_config
 from offload import engine_state
 from offload.delayed import DelayedUpdate
 from offload.engine_state import NonFiniteError, StateError
-from offload.gpu import host_event, on_stream, side_stream_delay
+from offload.gpu import GpuPhaseTimer, host_event, on_stream, side_stream_delay
 from offload.grads import GradLanding
 from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
@@ -92,41 +92,6 @@ def _torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
     master.addcdiv_(exp_avg, denom, value=-lr / bc1)
     if out16 is not None:
         out16.copy_(master)
-
-
-class _GpuPhaseTimer:
-    """GPU time of forward and backward from CUDA timing events on the compute stream. Reading
-    an event pair never waits: pairs whose end has not completed yet (`query()`) stay queued
-    and count toward a later update, so the report costs no synchronisation (desk review L5)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._open: dict[str, Any] = {}
-        self._pairs: list[tuple[str, Any, Any]] = []
-
-    def start(self, phase: str) -> None:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        self._open[phase] = ev
-
-    def stop(self, phase: str) -> None:
-        start = self._open.pop(phase, None)
-        if start is None:
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
-        self._pairs.append((phase, start, end))
-
-    def collect(self) -> dict[str, float]:
-        out = {"forward": 0.0, "backward": 0.0}
-        waiting = []
-        for phase, start, end in self._pairs:
-            if end.query():
-                out[phase] += start.elapsed_time(end) / 1e3  # ms -> s
-            else:
-                waiting.append((phase, start, end))
-        self._pairs = waiting
-        return out
 
 
 class Engine:
@@ -263,7 +228,7 @@ class Engine:
             self._upload_done: list[torch.cuda.Event | None] = [None] * ring
             self.account.add("host", "buffers", ring * max_numel * self.dtype.itemsize)
         self._fwd_t0: float | None = None
-        self._gpu_timer = _GpuPhaseTimer(self.device) if self.cuda else None
+        self._gpu_timer = GpuPhaseTimer(self.device) if self.cuda else None
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
         self._hooks = [model.register_forward_pre_hook(self._on_forward_start),
                        model.register_forward_hook(self._on_forward_end)]

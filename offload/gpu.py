@@ -12,6 +12,8 @@ Why these exist (docs/ARCHITECTURE.md, "CUDA ordering"):
     a side stream before each of its copies. A copy that is not properly ordered against the
     compute stream then reads or writes at the wrong time on every run, instead of once in
     thousands of steps on a fast GPU; results must not change.
+  * `GpuPhaseTimer`: the GPU's own time per phase (forward, backward) from timing events,
+    read only once complete, so reporting it adds no synchronisation (desk review L5).
   * `host_delay()`: with OFFLOAD_CUDA_HOST_DELAY_S set, a host sleep in the gradient-landing
     worker before it touches a landed gradient (a slow worker: desk review H1 and M1).
 Both knobs are read from the environment at every call, so a test can set them per run; unset,
@@ -65,3 +67,38 @@ def host_delay() -> None:
     seconds = _env_number(HOST_DELAY_ENV)
     if seconds > 0:
         time.sleep(seconds)
+
+
+class GpuPhaseTimer:
+    """GPU time of forward and backward from CUDA timing events on the compute stream. Reading
+    an event pair never waits: pairs whose end has not completed yet (`query()`) stay queued
+    and count toward a later update, so the report costs no synchronisation (desk review L5)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._open: dict[str, "torch.cuda.Event"] = {}
+        self._pairs: list[tuple[str, "torch.cuda.Event", "torch.cuda.Event"]] = []
+
+    def start(self, phase: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        self._open[phase] = ev
+
+    def stop(self, phase: str) -> None:
+        start = self._open.pop(phase, None)
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        self._pairs.append((phase, start, end))
+
+    def collect(self) -> dict[str, float]:
+        out = {"forward": 0.0, "backward": 0.0}
+        waiting = []
+        for phase, start, end in self._pairs:
+            if end.query():
+                out[phase] += start.elapsed_time(end) / 1e3  # ms -> s
+            else:
+                waiting.append((phase, start, end))
+        self._pairs = waiting
+        return out

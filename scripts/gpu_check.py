@@ -333,7 +333,11 @@ def parse_junit(path: str) -> dict:
     import xml.etree.ElementTree as ET
     out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "collection_errors": []}
     for case in ET.parse(path).getroot().iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}".lstrip(":")
+        # junit's classname is the dotted path from pytest's rootdir, which differs between
+        # checkouts (and for a suite outside it): the name starts at the test module
+        parts = case.get("classname", "").split(".")
+        first = max((k for k, p in enumerate(parts) if p.startswith("test")), default=0)
+        name = f"{'.'.join(parts[first:])}::{case.get('name', '')}".lstrip(":")
         problem = next((c for c in case if c.tag in ("failure", "error")), None)
         if problem is not None and problem.get("message") == "collection failure":
             why = [line for line in (problem.text or "").splitlines() if line.startswith("E ")]
