@@ -38,12 +38,13 @@ class ActivationStore:
         self.device, self.pin = device, pin and device.type == "cuda"
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._host: dict[int, tuple[torch.Tensor, Any]] = {}  # key -> (host copy, copied event)
-        self._back: dict[int, tuple[torch.Tensor, Any]] = {}  # key -> (device copy, ready event)
+        # keys are (layer index, position among the block's tensor inputs)
+        self._host: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # -> (host copy, copied)
+        self._back: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # -> (device copy, ready)
         self.offloaded_bytes = 0  # total bytes sent to the host
         self.held_bytes = 0  # host bytes held right now
 
-    def put(self, key: int, t: torch.Tensor) -> None:
+    def put(self, key: tuple[int, int], t: torch.Tensor) -> None:
         # pinned under the process's cap, pageable beyond it (offload/tiers.py)
         host = host_empty(t.numel(), t.dtype, self.pin).view(t.shape)
         if self.cuda:
@@ -64,7 +65,12 @@ class ActivationStore:
         self.offloaded_bytes += n
         self.held_bytes += n
 
-    def prefetch(self, key: int) -> None:
+    def prefetch_layer(self, layer: int) -> None:
+        """Start bringing back every offloaded input of block `layer`."""
+        for key in [k for k in self._host if k[0] == layer]:
+            self.prefetch(key)
+
+    def prefetch(self, key: tuple[int, int]) -> None:
         """Start bringing `key` back to the device (no-op if absent or already requested)."""
         if key in self._back or key not in self._host:
             return
@@ -82,7 +88,7 @@ class ActivationStore:
         else:
             self._back[key] = (host.to(self.device, copy=True), None)
 
-    def take(self, key: int) -> torch.Tensor:
+    def take(self, key: tuple[int, int]) -> torch.Tensor:
         self.prefetch(key)
         dev, ready = self._back.pop(key)
         if ready is not None:
@@ -184,15 +190,16 @@ class _Spec:
                 kwargs[i] = t
         return self.fn(*args, **kwargs)
 
-    def key(self, k: int) -> int:
-        return self.layer_id * 64 + k
+    def key(self, k: int) -> tuple[int, int]:
+        return (self.layer_id, k)
 
 
 def enable_activation_checkpointing(layers: nn.ModuleList, store: ActivationStore | None = None,
                                     device: torch.device | None = None) -> int:
     """Wrap every block's forward in a checkpoint (idempotent); with `store`, the inputs that
     carry gradient are kept in host memory. Returns how many blocks were wrapped. With grad
-    disabled (inference, evaluation) the plain forward runs: nothing to recompute."""
+    disabled (inference, evaluation) the plain forward runs: nothing to recompute. Everything
+    installed here is removed by disable_activation_checkpointing."""
     wrapped = 0
     device = device or next((p.device for p in layers.parameters()), torch.device("cpu"))
     for li, layer in enumerate(layers):
@@ -209,33 +216,33 @@ def enable_activation_checkpointing(layers: nn.ModuleList, store: ActivationStor
 
         layer.forward = forward
         layer._offload_checkpointed = True
+        # the prefetch hook's handle lives on the block, so disabling removes it too
+        layer._offload_prefetch_hook = (layer.register_forward_hook(
+            functools.partial(_after_forward, store=store, li=li)) if store is not None else None)
         wrapped += 1
-    if store is not None:
-        _prefetch_hooks(layers, store)
     return wrapped
 
 
-def _prefetch_hooks(layers: nn.ModuleList, store: ActivationStore) -> None:
-    """When block i's backward starts (its output's gradient is ready), request the offloaded
-    inputs of blocks i and i-1, so i-1's copy runs during block i's recompute and backward."""
-    def after_forward(module, args, out, li: int) -> None:
-        y = out if torch.is_tensor(out) else next((o for o in out if torch.is_tensor(o)), None)
-        if y is None or not y.requires_grad:
-            return
+def _after_forward(module, args, out, store: ActivationStore, li: int) -> None:
+    """When block li's backward starts (its output's gradient is ready), request the offloaded
+    inputs of blocks li and li-1, so li-1's copy runs during li's recompute and backward."""
+    y = out if torch.is_tensor(out) else next((o for o in out if torch.is_tensor(o)), None)
+    if y is None or not y.requires_grad:
+        return
 
-        def on_grad(g, li=li):
-            for j in (li, li - 1):
-                if j >= 0:
-                    for k in range(4):  # the first few tensor inputs of the block
-                        store.prefetch(j * 64 + k)
-        y.register_hook(on_grad)
-
-    for li, layer in enumerate(layers):
-        layer.register_forward_hook(functools.partial(after_forward, li=li))
+    def on_grad(g):
+        for j in (li, li - 1):
+            if j >= 0:
+                store.prefetch_layer(j)
+    y.register_hook(on_grad)
 
 
 def disable_activation_checkpointing(layers: nn.ModuleList) -> None:
+    """Undo enable_activation_checkpointing: the class's forward back, the prefetch hooks gone."""
     for layer in layers:
         if getattr(layer, "_offload_checkpointed", False):
             del layer.forward  # drop the instance attribute: the class's forward is back
-            layer._offload_checkpointed = False
+            del layer._offload_checkpointed
+            hook = layer.__dict__.pop("_offload_prefetch_hook", None)
+            if hook is not None:
+                hook.remove()

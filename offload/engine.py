@@ -27,7 +27,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from offload.activations import ActivationStore, enable_activation_checkpointing
+from offload.activations import (ActivationStore, disable_activation_checkpointing,
+                                 enable_activation_checkpointing)
 from offload.blocks import bind_views, gather_flat, group_blocks, move_frozen_and_buffers
 from offload.config import ConfigError, OffloadConfig, as_config
 from offload import engine_state
@@ -197,7 +198,10 @@ class Engine:
                                   "nn.ModuleList (none was found)")
             self.act_store = (ActivationStore(self.device, self.pin)
                               if cfg.offload_activations else None)
-            enable_activation_checkpointing(self.layers, self.act_store, self.device)
+            # only what this engine wrapped is unwrapped at close (a model the caller had
+            # checkpointed already stays so)
+            self._checkpointed = enable_activation_checkpointing(
+                self.layers, self.act_store, self.device) > 0
         if isinstance(self.state, NvmeState):
             self.state.end_step(self._unit_order(), 0)  # init state durable + first prefetch
         self._overlap_jobs: list | None = None
@@ -761,6 +765,8 @@ class Engine:
             h.remove()
         self._hooks.clear()
         parts = [self.grads.close, lambda: self._step_thread.shutdown(wait=True)]
+        if getattr(self, "_checkpointed", False):  # the model's own forwards back, hooks gone
+            parts.append(lambda: disable_activation_checkpointing(self.layers))
         if self.cuda:
             # device buffers (weights, a delayed job's shadow set) may be freed after this while
             # uploads into them or gradient copies out of them are queued on the side streams:

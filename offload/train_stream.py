@@ -116,8 +116,10 @@ class TrainingStreamer:
             self._hooks.append(layer.register_forward_pre_hook(
                 lambda m, args, kwargs, li=li: self._before_forward(li, args, kwargs),
                 with_kwargs=True))
+            # always_call: a forward that raises still leaves the saved-tensors context the
+            # pre-hook entered, and releases its block (out is None then)
             self._hooks.append(layer.register_forward_hook(
-                lambda m, args, out, li=li: self._after_forward(li, out)))
+                lambda m, args, out, li=li: self._after_forward(li, out), always_call=True))
 
     def _expected_crc32(self, li: int) -> int | None:
         """The CRC of layer li's latest weights file (the store records it at each write), when
