@@ -15,11 +15,12 @@ the file) and binding it is making its parameters views into the slot (`offload.
 
 The mechanism is explicit so training can reuse it with its own order (forward, then backward
 in reverse, recompute): `fetch(i)` starts bringing block i in, `wait(i)` makes it usable by the
-compute stream and binds its parameters, `release(i)` gives its slot back, `prefetch(after=i)`
-fetches the next blocks of the `schedule` within the per-tier depth. `attach()` installs forward
-hooks that call these in the usual order (fetch, prefetch, wait / run / release); the schedule
-is cyclic by default, so the last block of one forward already prefetches the first blocks of
-the next decode step.
+compute stream and binds its parameters, `reuse(i)` uses a bound block again, `release(i)` gives
+its slot back, `prefetch(after=i)` fetches the next blocks of the `schedule` within the per-tier
+depth. Each call moves the block along `BlockState`'s legal edges or raises. `attach()` installs
+forward hooks calling them in the usual order (fetch, prefetch, wait / run / release); the
+schedule is cyclic by default, so one forward's last block prefetches the next step's first.
+Layouts come from offload/block_layout.py, slots from offload/slot_pool.py.
 
 Ordering on CUDA (not yet verified on a GPU; the CPU path runs the same state machine):
   * every copy into a slot is issued on one side `copy_stream`;
@@ -36,8 +37,8 @@ On a CPU device, the device *is* host RAM: cpu-tier blocks are bound in place (n
 `zero_copy_host=False` (the tests use that to exercise the slot path the GPU uses), and NVMe
 blocks whose stored dtype equals the compute dtype are read straight into the slot.
 
-A `fetch_delay_s` injected into every fetch (a sleep in the stage thread, plus a GPU sleep on the
-copy stream under CUDA) makes a missing wait show up as wrong output in tests.
+A `fetch_delay_s` in every fetch (a stage-thread sleep, plus a GPU sleep on the copy stream under
+CUDA) makes a missing wait show up as wrong output in tests.
 """
 
 from __future__ import annotations
@@ -52,25 +53,13 @@ import torch
 from torch import nn
 
 from nvme.io import ALIGN, IOEngine, aligned_empty
-from offload.blocks import Block, ParamSlot, bind_views
-from offload.gpu import host_event, on_stream, side_stream_delay
+from offload.block_layout import Run, StreamError, TensorRange, layout_block
+from offload.blocks import Block, bind_views
+from offload.gpu import on_stream, side_stream_delay
+from offload.slot_pool import LEGAL_MOVES, BlockState, Slot, SlotPool, Staging
 from offload.tiers import freeze_pin_cap, host_aligned, return_large_frees_to_os, started_worker
 
 RESIDENCIES = ("device", "cpu", "nvme")
-
-
-class StreamError(RuntimeError):
-    """The streamer cannot do what was asked (bad residency, missing source, no free slot)."""
-
-
-@dataclass(frozen=True)
-class TensorRange:
-    """Where one parameter's bytes are stored: a byte range of a (safetensors) file."""
-    name: str  # parameter name relative to the block module, e.g. "self_attn.q_proj.weight"
-    path: str
-    offset: int  # absolute byte offset of the first byte in `path`
-    nbytes: int
-    dtype: torch.dtype  # stored dtype (converted to the compute dtype after the read)
 
 
 @dataclass
@@ -91,32 +80,6 @@ class StreamStats:
                            {k: v - earlier.moved_bytes[k] for k, v in self.moved_bytes.items()},
                            {k: v - earlier.fetches[k] for k, v in self.fetches.items()},
                            self.wait_s - earlier.wait_s, self.stage_busy_s - earlier.stage_busy_s)
-
-
-@dataclass
-class _Run:
-    """One contiguous byte range of a file, landing at `buf_offset` of the block's stored bytes."""
-    path: str
-    offset: int
-    nbytes: int
-    buf_offset: int
-
-
-class _Slot:
-    def __init__(self, raw: torch.Tensor, cuda: bool):
-        self.raw = raw  # uint8 on the device, max streamed block bytes (+ALIGN on CPU)
-        self.owner: int | None = None
-        self.free = torch.cuda.Event() if cuda else None  # compute done with the previous owner
-        self.free_recorded = False
-        self.ready = torch.cuda.Event() if cuda else None  # copy of the current owner done
-
-
-class _Staging:
-    def __init__(self, raw: torch.Tensor, cuda: bool):
-        self.raw = raw  # uint8 host buffer (pinned on CUDA), 4 KiB aligned
-        # its last host->device copy finished; the stage thread sleeps on it (blocking event)
-        self.done = host_event() if cuda else None
-        self.done_recorded = False
 
 
 def _aligned_view(raw: torch.Tensor, shift: int, nbytes: int) -> torch.Tensor:
@@ -169,16 +132,15 @@ class BlockStreamer:
         self._adopt = list(host_flats) if host_flats is not None else [None] * len(layers)
         self._io, self._own_io = (io, False) if io is not None else (None, True)
         self._lock = threading.Lock()  # guards stats updated by the stage thread
-        # "resident" (device, or zero-copy host), "absent", "in_flight", "in_use"
-        self.state: list[str] = []
+        self.state: list[BlockState] = []
         self.blocks: list[Block] = []
         self._stored_dtype: list[torch.dtype | None] = []
-        self._runs: list[list[_Run]] = []
+        self._runs: list[list[Run]] = []
         self._shift: list[int] = []  # byte shift that lines a buffer up with the first run
         self._host: dict[int, torch.Tensor] = {}  # cpu-tier flat buffers (compute dtype)
         self._resident: dict[int, torch.Tensor] = {}  # device-tier flat buffers
         self._host_values: dict[int, dict[str, torch.Tensor]] = {}  # module-sourced weights
-        self._jobs: dict[int, tuple[Future, _Slot]] = {}
+        self._jobs: dict[int, tuple[Future, Slot]] = {}
         self._bound: dict[int, torch.Tensor] = {}  # block -> the slot view it is bound to
         self._hooks: list = []
         self.schedule: list[int] = list(range(len(layers)))
@@ -201,82 +163,40 @@ class BlockStreamer:
         return self._io
 
     def _layout(self, i: int, layer: nn.Module) -> None:
-        """Block i's flat layout: parameters in file order when a file source is given (so a
-        block stored contiguously is one read), else in module order."""
-        params = dict(layer.named_parameters())
-        ranges = self._files[i]
-        if ranges is not None:
-            by_name = {r.name: r for r in ranges}
-            if set(by_name) != set(params):
-                raise StreamError(f"block {i}: file ranges cover {sorted(by_name)}, the module has "
-                                  f"parameters {sorted(params)}")
-            order = sorted(by_name, key=lambda n: (by_name[n].path, by_name[n].offset))
-            dtypes = {by_name[n].dtype for n in order}
-            if len(dtypes) != 1:
-                raise StreamError(f"block {i}: parameters stored in several dtypes {dtypes}")
-            stored = dtypes.pop()
-            runs: list[_Run] = []
-            pos = 0
-            for n in order:
-                r = by_name[n]
-                expect = params[n].numel() * stored.itemsize
-                if r.nbytes != expect:
-                    raise StreamError(f"block {i}: {n} is stored as {r.nbytes} bytes, expected {expect}")
-                last = runs[-1] if runs else None
-                if last and last.path == r.path and last.offset + last.nbytes == r.offset:
-                    last.nbytes += r.nbytes  # adjacent in the file: one read
-                else:
-                    runs.append(_Run(r.path, r.offset, r.nbytes, pos))
-                pos += r.nbytes
-            shift = runs[0].offset % ALIGN
-            # the typed view must start on an element boundary of both dtypes
-            if shift % stored.itemsize or shift % self.dtype.itemsize:
-                shift = 0
-            self._stored_dtype.append(stored)
-            self._runs.append(runs)
-            self._shift.append(shift)
-        else:
-            if self.residency[i] == "nvme":
-                raise StreamError(f"block {i} is placed on nvme but has no file source")
-            meta = [n for n, p in params.items() if p.device.type == "meta"]
-            if meta and self._adopt[i] is None:
-                raise StreamError(f"block {i}: parameter {meta[0]} is on meta and no file source was given")
-            order = list(params)
-            self._stored_dtype.append(None)
-            self._runs.append([])
-            self._shift.append(0)
-        block = Block(index=i, name=str(i), module=layer)
-        for n in order:
-            p = params[n]
-            if ranges is None and self._adopt[i] is None:  # the module's values are the source
-                self._host_values.setdefault(i, {})[n] = p.detach().to("cpu", self.dtype).clone()
-            if p.device.type == "meta" or p.device != self.device or p.dtype != self.dtype:
-                # A meta (or other device/dtype) parameter cannot take device storage in place,
-                # so it is replaced once by a real one; from here on only `.data` changes.
-                owner, _, attr = n.rpartition(".")
-                new = nn.Parameter(self._empty, requires_grad=p.requires_grad)
-                setattr(layer.get_submodule(owner) if owner else layer, attr, new)
-            else:
-                new = p
-            block.slots.append(ParamSlot(n, new, block.numel, p.numel(), p.shape))
-            block.numel += p.numel()
-        block.shard_numel = block.numel
-        self.blocks.append(block)
-        self.state.append("absent")
+        """Block i's flat layout (offload/block_layout.py) and its starting state."""
+        out = layout_block(i, layer, self._files[i], residency=self.residency[i],
+                           adopted=self._adopt[i] is not None, device=self.device,
+                           dtype=self.dtype, empty=self._empty)
+        if out.host_values is not None:
+            self._host_values[i] = out.host_values
+        self._stored_dtype.append(out.stored_dtype)
+        self._runs.append(out.runs)
+        self._shift.append(out.shift)
+        self.blocks.append(out.block)
+        self.state.append(BlockState.ABSENT)
+
+    def _move(self, i: int, to: BlockState) -> None:
+        """The one place a block changes state; an illegal move is a bug in the caller."""
+        if (self.state[i], to) not in LEGAL_MOVES:
+            raise StreamError(f"block {i}: illegal move {self.state[i].value} -> {to.value} "
+                              f"(legal: absent -> resident | in_flight, in_flight -> in_use | "
+                              f"absent, in_use -> absent)")
+        self.state[i] = to
+
+    @property
+    def slots(self) -> list[Slot]:
+        return self.pool.slots
 
     def bound_flat(self, i: int) -> torch.Tensor:
         """The flat slot view block i's parameters are bound to right now (state in_use)."""
         if i not in self._bound:
-            raise StreamError(f"block {i} is not bound to a slot (state {self.state[i]}); "
+            raise StreamError(f"block {i} is not bound to a slot (state {self.state[i].value}); "
                               f"wait({i}) first")
         return self._bound[i]
 
     def slot_owner(self, storage_ptr: int) -> int | None:
         """The block whose slot has this storage (untyped_storage().data_ptr()), if any."""
-        for s in self.slots:
-            if s.raw.untyped_storage().data_ptr() == storage_ptr:
-                return s.owner
-        return None
+        return self.pool.owner_of(storage_ptr)
 
     def host_buffer(self, i: int) -> torch.Tensor:
         """The flat host copy (compute dtype) a cpu-tier block is fetched from; writing into it
@@ -299,9 +219,8 @@ class BlockStreamer:
     def _allocate_streaming(self) -> None:
         """Slots and staging, allocated once for the whole run (no per-fetch allocation)."""
         streamed = [i for i in range(len(self.layers)) if self._streamed(i)]
-        self.slots: list[_Slot] = []
-        self._free_slots: list[_Slot] = []
-        self.staging: list[_Staging] = []
+        self.pool = SlotPool([], self.cuda)
+        self.staging: list[Staging] = []
         self._landing: torch.Tensor | None = None
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda and streamed else None
         if not streamed:
@@ -309,6 +228,7 @@ class BlockStreamer:
         tiers = {self.residency[i] for i in streamed}
         n_slots = 1 + max(self.depth[t] for t in tiers)
         slot_bytes = max(self.block_bytes(i) for i in streamed)
+        raws = []
         for _ in range(n_slots):
             raw = (torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda
                    else aligned_empty(slot_bytes + ALIGN))  # +ALIGN: room to line up with the file
@@ -317,15 +237,15 @@ class BlockStreamer:
                 # freed (close, or the model dropped with prefetches still in flight) the
                 # allocator must not hand its memory out before those copies finish (review M3)
                 raw.record_stream(self.copy_stream)
-            self.slots.append(_Slot(raw, self.cuda))
-        self._free_slots = list(self.slots)
+            raws.append(raw)
+        self.pool = SlotPool(raws, self.cuda)
         staged = [i for i in streamed if self.residency[i] == "nvme" and not self._direct_into_slot(i)]
         if staged:
             stored_bytes = max(self._stored_bytes(i) for i in staged)
             for _ in range(self.depth["nvme"]):
                 # +ALIGN: room to line the buffer up with the file offset, so reads are O_DIRECT
                 # straight into it (pinned and capped under CUDA: offload/tiers.py)
-                self.staging.append(_Staging(host_aligned(stored_bytes + ALIGN, self.pin), self.cuda))
+                self.staging.append(Staging(host_aligned(stored_bytes + ALIGN, self.pin), self.cuda))
             if self.cuda and any(self._stored_dtype[i] != self.dtype for i in staged):
                 # Bytes land here in the stored dtype, then are converted into the slot on the
                 # copy stream; the stream's own order protects it between fetches.
@@ -402,36 +322,35 @@ class BlockStreamer:
             return
         self._resident[i] = flat
         bind_views(self.blocks[i], flat)
-        self.state[i] = "resident"
+        self._move(i, BlockState.RESIDENT)
 
     def _unbind(self, i: int) -> None:
         """Point block i's parameters at an empty tensor, so a use without wait() fails loudly."""
         for s in self.blocks[i].slots:
             s.param.data = self._empty
-        self.state[i] = "absent"
 
     # ---- the mechanism ------------------------------------------------------------------------
     def fetch(self, i: int) -> None:
-        """Start bringing block i into a slot (no-op when resident or already on its way)."""
-        if self.state[i] != "absent":
+        """Start bringing block i into a slot. A block already there (resident, in use) or on
+        its way is left as it is: the hooks fetch the block they run and prefetch the next."""
+        if self.state[i] is not BlockState.ABSENT:
             return
         slot = self._take_slot(i)
         staging = None
         if self.residency[i] == "nvme" and not self._direct_into_slot(i):
             staging = self.staging[self._staging_next]
             self._staging_next = (self._staging_next + 1) % len(self.staging)
-        slot.owner = i
         # The free event is read here, on the thread that recorded it, and handed over.
         wait_free = slot.free if slot.free_recorded else None
         fut = self._executor.submit(self._job, i, slot, staging, wait_free)
         self._jobs[i] = (fut, slot)
-        self.state[i] = "in_flight"
+        self._move(i, BlockState.IN_FLIGHT)
 
-    def _slot_view(self, i: int, slot: _Slot) -> torch.Tensor:
+    def _slot_view(self, i: int, slot: Slot) -> torch.Tensor:
         shift = 0 if self.cuda else self._shift[i]
         return _aligned_view(slot.raw, shift, self.block_bytes(i)).view(self.dtype)
 
-    def _job(self, i: int, slot: _Slot, staging: _Staging | None, wait_free) -> None:
+    def _job(self, i: int, slot: Slot, staging: Staging | None, wait_free) -> None:
         """Stage thread: move block i's bytes into its slot (see the module docstring for order)."""
         t0 = time.perf_counter()
         if self.fetch_delay_s:
@@ -458,7 +377,7 @@ class BlockStreamer:
             self.stats.fetches[tier] += 1
             self.stats.stage_busy_s += time.perf_counter() - t0
 
-    def _job_cuda(self, i: int, slot: _Slot, staging: _Staging | None, wait_free,
+    def _job_cuda(self, i: int, slot: Slot, staging: Staging | None, wait_free,
                   dst: torch.Tensor, moved: dict[str, int]) -> None:
         if staging is not None:
             if staging.done_recorded:
@@ -492,13 +411,13 @@ class BlockStreamer:
 
     def wait(self, i: int) -> None:
         """Make block i usable by the compute stream and bind its parameters (fetching it first
-        if nobody did)."""
-        tier = self.residency[i]
-        self.stats.served_bytes[tier] += self.block_bytes(i)
-        self._advance_cursor(i)
-        if self.state[i] == "resident":
-            return
-        if self.state[i] == "in_use":
+        if nobody did). A block in use already is an error: use it again with `reuse`."""
+        state = self.state[i]
+        if state is BlockState.IN_USE:
+            raise StreamError(f"block {i} is in use already (waited on, not released); "
+                              f"reuse({i}) uses it again without a fetch")
+        self._count_use(i)
+        if state is BlockState.RESIDENT:
             return
         self.fetch(i)
         fut, slot = self._jobs.pop(i)
@@ -511,35 +430,52 @@ class BlockStreamer:
         flat = self._slot_view(i, slot)
         bind_views(self.blocks[i], flat)
         self._bound[i] = flat
-        self.state[i] = "in_use"
+        self._move(i, BlockState.IN_USE)
+
+    def reuse(self, i: int) -> None:
+        """Block i, in use (kept bound, e.g. the last block between forward and backward), is
+        used again at the next position of the schedule: counted and the cursor advanced."""
+        if self.state[i] is not BlockState.IN_USE:
+            raise StreamError(f"block {i} is {self.state[i].value}, not in use: wait({i}) instead")
+        self._count_use(i)
+
+    def in_use(self, i: int) -> bool:
+        return self.state[i] is BlockState.IN_USE
+
+    def _count_use(self, i: int) -> None:
+        self.stats.served_bytes[self.residency[i]] += self.block_bytes(i)
+        self._advance_cursor(i)
 
     def release(self, i: int) -> None:
-        """Block i has been run: its slot may be refilled once the compute queued so far is done."""
-        if self.state[i] != "in_use":
+        """Block i has been run: its slot may be refilled once the compute queued so far is done.
+        A resident block stays (the hooks release every block they ran); releasing a block that
+        is not in use is an error."""
+        if self.state[i] is BlockState.RESIDENT:
             return
-        slot = next(s for s in self.slots if s.owner == i)
+        if self.state[i] is not BlockState.IN_USE:
+            raise StreamError(f"block {i} is {self.state[i].value}, not in use: release only "
+                              f"a block wait({i}) bound")
+        self._move(i, BlockState.ABSENT)
+        slot = self.pool.of(i)
         self._unbind(i)
         self._bound.pop(i, None)
-        if self.cuda:
-            slot.free.record(torch.cuda.current_stream(self.device))
-            slot.free_recorded = True
-        slot.owner = None
-        self._free_slots.append(slot)
+        self.pool.release(slot, torch.cuda.current_stream(self.device) if self.cuda else None)
 
-    def _take_slot(self, i: int) -> _Slot:
-        if self._free_slots:
-            return self._free_slots.pop(0)
+    def _take_slot(self, i: int) -> Slot:
+        slot = self.pool.take(i)
+        if slot is not None:
+            return slot
         # No free slot: block i is needed out of schedule order. Give up the fetched block that
         # is needed last; it is fetched again later.
         waiting = [j for j in self._jobs if j != i]
         if not waiting:
-            raise StreamError(f"block {i}: all {len(self.slots)} slots hold blocks in use; "
+            raise StreamError(f"block {i}: all {len(self.pool)} slots hold blocks in use; "
                               f"release blocks before fetching more")
         victim = max(waiting, key=self._distance)
         fut, slot = self._jobs.pop(victim)
         fut.result()  # the copy into it is in flight; the copy stream keeps later copies after it
-        self.state[victim] = "absent"
-        slot.owner = None
+        self._move(victim, BlockState.ABSENT)
+        slot.owner = i
         return slot
 
     def _distance(self, j: int) -> int:
@@ -589,9 +525,9 @@ class BlockStreamer:
             count += 1
             if count > self.depth[self.residency[j]]:
                 return
-            if self.state[j] != "absent":
+            if self.state[j] is not BlockState.ABSENT:
                 continue
-            if not self._free_slots:
+            if not self.pool.has_free():
                 return
             self.fetch(j)
 
@@ -616,7 +552,7 @@ class BlockStreamer:
     def release_all(self) -> None:
         """Release every block in use and let in-flight fetches finish (after an exception)."""
         for i, st in enumerate(self.state):
-            if st == "in_use":
+            if st is BlockState.IN_USE:
                 self.release(i)
         try:
             for i in list(self._jobs):
@@ -624,9 +560,8 @@ class BlockStreamer:
                 try:
                     fut.result()
                 finally:
-                    self.state[i] = "absent"
-                    slot.owner = None
-                    self._free_slots.append(slot)
+                    self._move(i, BlockState.ABSENT)
+                    self.pool.cancel(slot)
         finally:
             if self.copy_stream is not None:
                 # the copies just issued may still be running on the GPU: whatever the compute
@@ -646,32 +581,5 @@ class BlockStreamer:
     def device_bytes(self) -> int:
         """Device memory held by the streamer: resident blocks plus slots (and landing)."""
         total = sum(t.numel() * t.element_size() for t in self._resident.values()) if self.cuda else 0
-        total += sum(s.raw.numel() for s in self.slots) if self.cuda else 0
+        total += self.pool.nbytes() if self.cuda else 0
         return total + (self._landing.numel() if self._landing is not None else 0)
-
-
-
-# ---- Llama-family checkpoints --------------------------------------------------------------------
-def checkpoint_ranges(reader, layer: int) -> list[TensorRange]:
-    """Block `layer`'s tensors as byte ranges of the checkpoint's shards (names relative to the
-    layer), for the streamer to read in place: no conversion pass, no second copy on disk."""
-    prefix = f"model.layers.{layer}."
-    return [TensorRange(loc.name[len(prefix):], loc.path, loc.offset, loc.nbytes, loc.dtype)
-            for loc in reader.block_locations(layer)]
-
-
-def load_streamed(reader, residency: Sequence[str], *, device: torch.device | str, dtype: torch.dtype,
-                  host_ahead: int = 1, nvme_ahead: int = 2, io: IOEngine | None = None,
-                  fetch_delay_s: float = 0.0, zero_copy_host: bool | None = None,
-                  progress: Callable[[int], None] | None = None):
-    """(model, attached streamer) for an open `offload.models.CheckpointReader`: built on meta,
-    non-block weights materialised on the device, blocks placed per `residency`."""
-    from offload.models import build_model, materialize_non_block  # models -> stream, not back
-    model = build_model(reader.config, "meta", dtype)
-    materialize_non_block(model, device, dtype, reader)
-    files = [checkpoint_ranges(reader, i) for i in range(reader.config.num_hidden_layers)]
-    streamer = BlockStreamer(model.model.layers, residency, device=device, dtype=dtype, files=files,
-                             host_ahead=host_ahead, nvme_ahead=nvme_ahead, io=io,
-                             zero_copy_host=zero_copy_host, fetch_delay_s=fetch_delay_s,
-                             progress=progress)
-    return model, streamer.attach()

@@ -201,7 +201,10 @@ class TrainingStreamer:
         s = self.streamer
         s.fetch(li)
         s.prefetch(after=li)
-        s.wait(li)
+        if s.in_use(li):  # the last block: kept bound from its forward
+            s.reuse(li)
+        else:
+            s.wait(li)
 
     def _after_backward(self, li: int) -> None:
         self.streamer.release(li)

@@ -25,7 +25,7 @@ from offload.generate import SamplingParams, check_prompts, generate
 from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
                             num_block_params, num_params, parameter_shapes, preset, save_pretrained)
 from offload.planner import MODES, Links, measure_links, plan_inference, workspace_bytes
-from offload.stream import load_streamed
+from offload.models import load_streamed
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,

@@ -32,7 +32,7 @@ from offload.config import format_bytes
 from offload.generate import generate
 from offload.models import CheckpointReader, num_params, preset
 from offload.planner import disk_read_gbps, measure_links
-from offload.stream import load_streamed
+from offload.models import load_streamed
 from nvme.io import drop_caches
 from offload.tiers import peak_rss_bytes
 from runners.infer import random_checkpoint

@@ -14,7 +14,7 @@ import torch
 
 from offload.chat import ChatOverflow, ChatSession, common_prefix
 from offload.models import CheckpointReader, build_model
-from offload.stream import load_streamed
+from offload.models import load_streamed
 from offload.tokenizer import Tokenizer
 from runners import infer
 from runners.common import run_main

@@ -252,7 +252,7 @@ def test_streamed_generation_matches_transformers(residency, tmp_path):
     transformers = pytest.importorskip("transformers")
     from offload.generate import generate
     from offload.models import CheckpointReader
-    from offload.stream import load_streamed
+    from offload.models import load_streamed
     from tests.test_generate import NEW, PROMPTS, _checkpoint
 
     _checkpoint(tmp_path, "llama")
@@ -510,7 +510,7 @@ def test_H4_pinned_bytes_within_the_inference_plan(tmp_path):
     from offload import tiers
     from offload.models import CheckpointReader
     from offload.planner import plan_inference
-    from offload.stream import load_streamed
+    from offload.models import load_streamed
     from tests.test_generate import _checkpoint
 
     _checkpoint(tmp_path, "llama")
@@ -598,7 +598,7 @@ def test_M3_slots_are_not_reused_while_a_copy_writes_them(tmp_path):
     same amount at once on the compute stream: the new tensors keep their values."""
     from offload.generate import generate
     from offload.models import CheckpointReader
-    from offload.stream import load_streamed
+    from offload.models import load_streamed
     from tests.test_generate import _checkpoint
 
     _checkpoint(tmp_path, "llama")

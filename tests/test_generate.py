@@ -12,7 +12,7 @@ import torch
 from offload.generate import (GenerationError, SamplingParams, filter_logits, generate,
                               next_tokens)
 from offload.models import CheckpointReader, build_model, preset, save_pretrained
-from offload.stream import load_streamed
+from offload.models import load_streamed
 from offload.tokenizer import StreamDecoder, TokenizerError, load_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,8 @@ from torch import nn
 from nvme.format import read_header, write_file
 from offload.models import CheckpointReader, build_model, load_model, preset, save_pretrained
 from offload.planner import plan_inference, spread
-from offload.stream import BlockStreamer, StreamError, TensorRange, load_streamed
+from offload.models import load_streamed
+from offload.stream import BlockStreamer, StreamError, TensorRange
 from offload.tiers import BudgetError
 
 CFG = preset("tiny")
@@ -197,3 +198,41 @@ def test_planner_refusals_say_what_fits():
         _plan(device_budget=W + 5 * MB, force="device")
     with pytest.raises(BudgetError, match="--cpu-memory"):
         _plan(device_budget=W + MB // 2 + 2 * 10**4 + 3 * MB, host_budget=MB)
+
+
+def test_illegal_block_transitions_raise(ckpt):
+    """The block states move only along the legal edges; a wrong call raises instead of
+    returning silently (offload/stream.py, BlockState)."""
+    from offload.stream import BlockState
+    with CheckpointReader(ckpt) as reader:
+        model, streamer = load_streamed(reader, ["device", "cpu", "cpu", "nvme"], device="cpu",
+                                        dtype=torch.float32, zero_copy_host=False)
+    streamer.detach()
+    try:
+        assert streamer.state == [BlockState.RESIDENT] + [BlockState.ABSENT] * 3
+        with pytest.raises(StreamError, match="block 1 is absent, not in use"):
+            streamer.release(1)  # never fetched
+        with pytest.raises(StreamError, match="not in use"):
+            streamer.reuse(1)
+        streamer.release(0)  # a resident block stays: the hooks release every block they ran
+        assert streamer.state[0] is BlockState.RESIDENT
+        streamer.fetch(1)
+        assert streamer.state[1] is BlockState.IN_FLIGHT
+        streamer.fetch(1)  # on its way already: left as it is
+        with pytest.raises(StreamError, match="block 1 is in_flight, not in use"):
+            streamer.release(1)  # issued, never waited on
+        streamer.wait(1)
+        assert streamer.state[1] is BlockState.IN_USE
+        with pytest.raises(StreamError, match="in use already"):
+            streamer.wait(1)
+        streamer.reuse(1)  # the legal way to use a bound block again
+        streamer.release(1)
+        with pytest.raises(StreamError, match="not in use"):
+            streamer.release(1)
+        with pytest.raises(StreamError, match="illegal move absent -> in_use"):
+            streamer._move(1, BlockState.IN_USE)  # the one transition function guards them all
+        streamer.wait(3)  # fetched by wait itself
+        streamer.release_all()
+        assert streamer.state[1:] == [BlockState.ABSENT] * 3
+    finally:
+        streamer.close()

@@ -11,6 +11,7 @@ from offload.models.llama import (DecoderLayer, KVCache, LlamaForCausalLM, build
                                   init_parameter_, kv_cache_bytes, materialize_block,
                                   materialize_non_block, release_block, rope_frequencies,
                                   seeded_init)
+from offload.models.streaming import checkpoint_ranges, load_streamed
 
 __all__ = [
     "ARCHITECTURES", "PRESETS", "ConfigError", "ModelConfig", "block_parameter_shapes",
@@ -19,5 +20,5 @@ __all__ = [
     "CheckpointError", "CheckpointReader", "TensorLocation", "load_model", "save_pretrained",
     "DecoderLayer", "KVCache", "LlamaForCausalLM", "build_model", "init_parameter_",
     "kv_cache_bytes", "materialize_block", "materialize_non_block", "release_block",
-    "rope_frequencies", "seeded_init",
+    "rope_frequencies", "seeded_init", "checkpoint_ranges", "load_streamed",
 ]

@@ -1,0 +1,122 @@
+"""Where a streamed block's bytes come from and how they lie in its flat buffer.
+
+`layout_block` turns one block (a module of the model's ModuleList) and, optionally, the byte
+ranges its parameters occupy in files into a `BlockLayout`: the `Block` whose parameters become
+views of one flat buffer, the stored dtype, the contiguous file runs to read (adjacent tensors
+merged into one read) and the byte shift that lines a buffer up with the first run for O_DIRECT.
+The streamer (offload/stream.py) moves bytes by this layout; it does not build it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nvme.io import ALIGN
+from offload.blocks import Block, ParamSlot
+
+
+class StreamError(RuntimeError):
+    """The streamer cannot do what was asked (bad residency, missing source, no free slot,
+    an illegal block-state transition)."""
+
+
+@dataclass(frozen=True)
+class TensorRange:
+    """Where one parameter's bytes are stored: a byte range of a (safetensors) file."""
+    name: str  # parameter name relative to the block module, e.g. "self_attn.q_proj.weight"
+    path: str
+    offset: int  # absolute byte offset of the first byte in `path`
+    nbytes: int
+    dtype: torch.dtype  # stored dtype (converted to the compute dtype after the read)
+
+
+@dataclass
+class Run:
+    """One contiguous byte range of a file, landing at `buf_offset` of the block's stored bytes."""
+    path: str
+    offset: int
+    nbytes: int
+    buf_offset: int
+
+
+@dataclass
+class BlockLayout:
+    block: Block
+    stored_dtype: torch.dtype | None  # None: the module's own values are the source
+    runs: list[Run] = field(default_factory=list)
+    shift: int = 0  # byte shift that lines a buffer up with the first run
+    # the module's values (compute dtype, CPU), when they are the source
+    host_values: dict[str, torch.Tensor] | None = None
+
+
+def _file_runs(i: int, params: dict[str, nn.Parameter], ranges: list[TensorRange],
+               dtype: torch.dtype) -> tuple[list[str], torch.dtype, list[Run], int]:
+    """(parameter order = file order, stored dtype, merged runs, shift) of a file-backed block."""
+    by_name = {r.name: r for r in ranges}
+    if set(by_name) != set(params):
+        raise StreamError(f"block {i}: file ranges cover {sorted(by_name)}, the module has "
+                          f"parameters {sorted(params)}")
+    order = sorted(by_name, key=lambda n: (by_name[n].path, by_name[n].offset))
+    dtypes = {by_name[n].dtype for n in order}
+    if len(dtypes) != 1:
+        raise StreamError(f"block {i}: parameters stored in several dtypes {dtypes}")
+    stored = dtypes.pop()
+    runs: list[Run] = []
+    pos = 0
+    for n in order:
+        r = by_name[n]
+        expect = params[n].numel() * stored.itemsize
+        if r.nbytes != expect:
+            raise StreamError(f"block {i}: {n} is stored as {r.nbytes} bytes, expected {expect}")
+        last = runs[-1] if runs else None
+        if last and last.path == r.path and last.offset + last.nbytes == r.offset:
+            last.nbytes += r.nbytes  # adjacent in the file: one read
+        else:
+            runs.append(Run(r.path, r.offset, r.nbytes, pos))
+        pos += r.nbytes
+    shift = runs[0].offset % ALIGN
+    # the typed view must start on an element boundary of both dtypes
+    if shift % stored.itemsize or shift % dtype.itemsize:
+        shift = 0
+    return order, stored, runs, shift
+
+
+def layout_block(i: int, layer: nn.Module, ranges: list[TensorRange] | None, *, residency: str,
+                 adopted: bool, device: torch.device, dtype: torch.dtype,
+                 empty: torch.Tensor) -> BlockLayout:
+    """Block i's flat layout: parameters in file order when a file source is given (so a block
+    stored contiguously is one read), else in module order. `adopted`: the caller owns the
+    block's flat host buffer already (no other source needed). Parameters that cannot take
+    device storage in place (meta, another device or dtype) are replaced once by ones pointing at
+    `empty`; from then on only their `.data` changes."""
+    params = dict(layer.named_parameters())
+    if ranges is not None:
+        order, stored, runs, shift = _file_runs(i, params, ranges, dtype)
+        out = BlockLayout(Block(index=i, name=str(i), module=layer), stored, runs, shift)
+    else:
+        if residency == "nvme":
+            raise StreamError(f"block {i} is placed on nvme but has no file source")
+        meta = [n for n, p in params.items() if p.device.type == "meta"]
+        if meta and not adopted:
+            raise StreamError(f"block {i}: parameter {meta[0]} is on meta and no file source was given")
+        order = list(params)
+        out = BlockLayout(Block(index=i, name=str(i), module=layer), None,
+                          host_values=None if adopted else {})
+    block = out.block
+    for n in order:
+        p = params[n]
+        if out.host_values is not None:  # the module's values are the source
+            out.host_values[n] = p.detach().to("cpu", dtype).clone()
+        if p.device.type == "meta" or p.device != device or p.dtype != dtype:
+            owner, _, attr = n.rpartition(".")
+            new = nn.Parameter(empty, requires_grad=p.requires_grad)
+            setattr(layer.get_submodule(owner) if owner else layer, attr, new)
+        else:
+            new = p
+        block.slots.append(ParamSlot(n, new, block.numel, p.numel(), p.shape))
+        block.numel += p.numel()
+    block.shard_numel = block.numel
+    return out
