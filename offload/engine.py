@@ -31,6 +31,7 @@ from offload.activations import (ActivationStore, disable_activation_checkpointi
                                  enable_activation_checkpointing)
 from offload.blocks import bind_views, gather_flat, group_blocks, move_frozen_and_buffers
 from offload.config import ConfigError, OffloadConfig, as_config
+from offload.counters import TrainingCounters
 from offload import engine_state
 from offload.delayed import DelayedUpdate
 from offload.engine_state import NonFiniteError, StateError
@@ -95,7 +96,20 @@ def _torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
         out16.copy_(master)
 
 
+def _counter(name: str, doc: str) -> property:
+    """An Engine attribute that is one of its TrainingCounters (the public names stay)."""
+    return property(lambda self: getattr(self.counters, name),
+                    lambda self, value: setattr(self.counters, name, value), doc=doc)
+
+
 class Engine:
+    global_step = _counter("global_step", "optimizer updates applied")
+    micro_step = _counter("micro_step", "engine.step() calls")
+    loss_scale = _counter("loss_scale", "the fp16 loss scale (1.0 otherwise)")
+    skipped_steps = _counter("skipped_steps", "updates skipped for inf/nan")
+    nonfinite_streak = _counter("nonfinite_streak", "updates skipped in a row for inf/nan")
+    slot_skips = _counter("slot_skips", "updates each parameter missed (no gradient), by name")
+
     def __init__(self, model: nn.Module, cfg: OffloadConfig, source: Any = None):
         owner = getattr(model, "_offload_engine", None)
         if owner is not None and not owner._closed:
@@ -119,17 +133,8 @@ class Engine:
         self.links = {k: LinkCounter() for k in ("d2h", "h2d", "nvme_read", "nvme_write",
                                                  "stream_h2d", "stream_disk", "act_offload")}
         self.lr = cfg.lr
-        self.global_step = 0  # optimizer updates applied
-        self.micro_step = 0  # engine.step() calls
-        self.loss_scale = (cfg.loss_scale or 2.0 ** cfg.initial_scale_power) if cfg.dtype == "fp16" else 1.0
-        self._clean_steps = 0
-        self._hysteresis_left = cfg.hysteresis
-        self.skipped_steps = 0
-        self.nonfinite_streak = 0  # updates skipped in a row for inf/nan (reset by an applied one)
-        # PyTorch's AdamW skips a parameter whose .grad is None (no gradient in the whole
-        # accumulation window): no update, and its own step count stays behind. updates each
-        # slot missed (only slots that ever missed one) and the missing slots of this update
-        self.slot_skips: dict[str, int] = {}
+        # steps, micro-steps, loss-scale state and skips: one value, saved whole (counters.py)
+        self.counters = TrainingCounters.start(cfg)
         self._missing: dict[int, set[str]] = {}
         self._next_missing: dict[int, set[str]] = {}
         self._loss_finite: list[torch.Tensor] = []  # 0-d bools of this window's losses
@@ -403,7 +408,7 @@ class Engine:
             rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
             rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
             self._finish_update(rep)
-            self.nonfinite_streak = 0
+            self.counters.on_applied(self.cfg)
             self._finish_report(rep, t_step, before)
             return True
         grad_scale, norm = self._grad_scale()
@@ -443,11 +448,9 @@ class Engine:
         fp16 = cfg.dtype == "fp16"
         total = self.grads.global_norm(self._norm_order)  # of the (loss-scaled) gradients
         if not (self._losses_finite() and bool(torch.isfinite(total))):
-            self._on_nonfinite()
+            self.counters.on_nonfinite(cfg)
             return None, float(total)
-        self.nonfinite_streak = 0
-        if fp16:
-            self._on_clean_step()
+        self.counters.on_applied(cfg)
         if not (cfg.grad_clip > 0 or fp16):
             return 1.0, float(total)
         inv_scale = 1.0 / self.loss_scale
@@ -458,44 +461,6 @@ class Engine:
         # exactly clip_grad_norm_'s arithmetic: fp32 tensors, 1e-6 guard, clamp at 1
         coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
         return float(coef) * inv_scale if inv_scale != 1.0 else float(coef), float(total)
-
-    def _on_nonfinite(self) -> None:
-        """Skip this update (like an fp16 overflow, in any dtype); stop after
-        max_nonfinite_skips in a row — for fp16 only those the loss scale can no longer absorb."""
-        cfg = self.cfg
-        if cfg.dtype == "fp16":
-            absorbable = cfg.loss_scale == 0 and self.loss_scale > cfg.min_loss_scale
-            self._on_overflow()
-            if absorbable:
-                return
-        else:
-            self.skipped_steps += 1
-        self.nonfinite_streak += 1
-        if self.nonfinite_streak >= cfg.max_nonfinite_skips:
-            raise NonFiniteError(
-                f"{self.nonfinite_streak} updates in a row skipped for a non-finite loss or "
-                f"gradient (update {self.global_step + 1}); training has diverged or the data "
-                f"holds bad values: lower the learning rate or add gradient clipping, and resume "
-                f"from the last checkpoint (saved state is never non-finite)")
-
-    def _on_overflow(self) -> None:
-        self.skipped_steps += 1
-        self._clean_steps = 0
-        if self.cfg.loss_scale > 0:  # a fixed scale never changes
-            return
-        self._hysteresis_left -= 1
-        if self._hysteresis_left <= 0:
-            self.loss_scale = max(self.loss_scale / 2, self.cfg.min_loss_scale)
-            self._hysteresis_left = self.cfg.hysteresis
-
-    def _on_clean_step(self) -> None:
-        if self.cfg.loss_scale > 0:
-            return
-        self._clean_steps += 1
-        if self._clean_steps >= self.cfg.loss_scale_window:
-            self.loss_scale *= 2
-            self._clean_steps = 0
-            self._hysteresis_left = self.cfg.hysteresis
 
     # -- the update ---------------------------------------------------------------------------
     def _begin_update(self, grad_scale: float) -> None:

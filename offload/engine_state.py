@@ -50,11 +50,8 @@ def layout(engine: "Engine") -> list[dict[str, Any]]:
 
 def state_meta(engine: "Engine") -> dict[str, Any]:
     """Everything besides the tensors that a resumed run needs to continue exactly."""
-    return {"format": "offload-engine-state", "version": 1, "global_step": engine.global_step,
-            "micro_step": engine.micro_step, "loss_scale": engine.loss_scale,
-            "clean_steps": engine._clean_steps, "hysteresis_left": engine._hysteresis_left,
-            "skipped_steps": engine.skipped_steps, "lr": engine.lr, "dtype": engine.cfg.dtype,
-            "slot_skips": dict(engine.slot_skips),
+    return {"format": "offload-engine-state", "version": 1, **engine.counters.to_meta(),
+            "lr": engine.lr, "dtype": engine.cfg.dtype,
             "delayed_pending": engine.delayed is not None and engine.delayed.pending,
             "layout": layout(engine)}
 
@@ -164,11 +161,8 @@ def load_state(engine: "Engine", directory: str) -> None:
             engine.delayed.shadow[bi].copy_(values["master"])
         else:  # not delayed now: the pending update simply goes live
             engine.flat16[bi].copy_(values["master"])
-    engine.global_step, engine.micro_step = meta["global_step"], meta["micro_step"]
-    engine.loss_scale, engine._clean_steps = meta["loss_scale"], meta["clean_steps"]
-    engine._hysteresis_left, engine.skipped_steps = meta["hysteresis_left"], meta["skipped_steps"]
+    engine.counters.load_meta({**meta, "slot_skips": skips})
     engine.lr = meta["lr"]
-    engine.slot_skips = dict(skips)
     if pending and engine.delayed is not None:
         engine.delayed.mark_pending()  # the next step() makes the masters' weights live
     if isinstance(engine.state, NvmeState):
