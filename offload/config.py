@@ -14,7 +14,7 @@ import re
 import stat
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 import torch
 
@@ -55,6 +55,10 @@ def format_bytes(n: int | float) -> str:
 
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DtypeName = Literal["fp32", "bf16", "fp16"]
+# where optimizer state (offload) or 16-bit weights (offload_params) live
+Placement = Literal["none", "cpu", "nvme"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
                   "half": "fp16"}
 
@@ -69,10 +73,11 @@ def dtype_name(name: str) -> str:
 @dataclass
 class OffloadConfig:
     # where the fp32 master weights and Adam moments live: "none" (the device: the plain
-    # reference path), "cpu" (host RAM, pinned with CUDA) or "nvme" (swap files in nvme_dir)
-    offload: str = "cpu"
+    # reference path), "cpu" (host RAM; pageable: only link buffers are pinned) or "nvme"
+    # (swap files in nvme_dir)
+    offload: Placement = "cpu"
     nvme_dir: str | None = None
-    dtype: str = "bf16"  # the device weights' and gradients' dtype: fp32 | bf16 | fp16
+    dtype: DtypeName = "bf16"  # the device weights' and gradients' dtype
     device: str | None = None  # "cuda:N" or "cpu"; None = cuda:0 when available, else cpu
     # AdamW, with torch.optim.AdamW's meaning of every field
     lr: float = 1e-3
@@ -118,7 +123,7 @@ class OffloadConfig:
     block_list: str | None = None  # dotted path of the blocks' ModuleList; None = found automatically
     # ZeRO-Infinity: where the 16-bit weights of the ModuleList's blocks live. "none": on the
     # device; "cpu" / "nvme": streamed to the device block by block in forward and backward.
-    offload_params: str = "none"
+    offload_params: Placement = "none"
     prefetch_blocks: int = 2  # streamed blocks in flight ahead of the running one (nvme tier)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     offload_activations: bool = False  # checkpointed block inputs kept in host memory
@@ -136,14 +141,15 @@ class OffloadConfig:
     max_nonfinite_skips: int = 10
 
     def __post_init__(self) -> None:
-        if self.offload not in ("none", "cpu", "nvme"):
-            raise ConfigError(f"offload: {self.offload!r} is not one of none, cpu, nvme")
+        if self.offload not in PLACEMENTS:
+            raise ConfigError(f"offload: {self.offload!r} is not one of {', '.join(PLACEMENTS)}")
         if self.offload == "nvme" and not self.nvme_dir:
             raise ConfigError("offload='nvme' needs nvme_dir: a directory on a fast local disk "
                               "for the optimizer-state swap files")
         self.dtype = dtype_name(self.dtype)
-        if self.offload_params not in ("none", "cpu", "nvme"):
-            raise ConfigError(f"offload_params: {self.offload_params!r} is not one of none, cpu, nvme")
+        if self.offload_params not in PLACEMENTS:
+            raise ConfigError(f"offload_params: {self.offload_params!r} is not one of "
+                              f"{', '.join(PLACEMENTS)}")
         if self.offload_params == "nvme" and not self.nvme_dir:
             raise ConfigError("offload_params='nvme' needs nvme_dir: a directory on a fast local "
                               "disk for the weights' swap files")
