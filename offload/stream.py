@@ -422,7 +422,12 @@ class BlockStreamer:
         self.fetch(i)
         fut, slot = self._jobs.pop(i)
         t0 = time.perf_counter()
-        fut.result()  # the stage thread has moved (CPU) or issued the copy of (CUDA) block i
+        try:
+            fut.result()  # the stage thread has moved (CPU) or issued the copy of (CUDA) block i
+        except BaseException:  # a failed read (damaged file): the slot goes back, the block is out
+            self._move(i, BlockState.ABSENT)
+            self.pool.cancel(slot)
+            raise
         self.stats.wait_s += time.perf_counter() - t0
         if self.cuda:
             # GPU-side: later kernels on the compute stream start after the copy finished.

@@ -190,8 +190,9 @@ class TrainingStreamer:
             self._saving.__exit__(None, None, None)
             self._saving = None
         y = _first_grad_tensor(out) if torch.is_grad_enabled() else None
-        if y is None:  # no backward will come through this block (eval / no_grad)
-            self.streamer.release(li)
+        if y is None:  # no backward through this block (eval / no_grad, or its forward raised)
+            if self.streamer.in_use(li):  # a forward that raised in wait() bound nothing
+                self.streamer.release(li)
             return
         y.register_hook(lambda g, li=li: self._before_backward(li))
         if li != len(self.layers) - 1:  # backward starts with the last block: keep it
