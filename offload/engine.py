@@ -156,6 +156,45 @@ class Engine:
         # while initialising is one block
         self.store = self._make_store()
         self.state = self._make_state()
+        self._place_weights(model, source)
+        self._enable_checkpointing()
+        if isinstance(self.state, NvmeState):
+            self.state.end_step(self._unit_order(), 0)  # init state durable + first prefetch
+        self._overlap_jobs: list | None = None
+        self._weight_writes: list = []  # nvme-tier weight writes of the current step
+        self._weight_ring: list[torch.Tensor] = []
+        self._ring_writes: dict[int, Any] = {}
+        self._pending_io_s = 0.0
+
+        # offload="none" keeps gradients on the device (the plain reference path)
+        self.grads = GradLanding(
+            self.blocks, self.dtype, cfg.grad_accum_steps, self.account, self.links["d2h"],
+            source_device=self.device, pin=self.pin,
+            landing_device=self.device if cfg.offload == "none" else torch.device("cpu"),
+            pool_buffers=grad_pool_buffers(cfg, len(self.blocks)),
+            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
+        self.grads.attach()
+        # where steps write 16-bit weights: None = the live buffers (flat16); a delayed job's
+        # spare buffers while it runs (delayed.py)
+        self._weights_out: list[torch.Tensor] | None = None
+        self.delayed = DelayedUpdate(self) if path == "delayed" else None
+
+        self._make_upload_path()
+        self._fwd_t0: float | None = None
+        self._gpu_timer = GpuPhaseTimer(self.device) if self.cuda else None
+        self._link_mark = {k: v.nbytes for k, v in self.links.items()}
+        self._hooks = [model.register_forward_pre_hook(self._on_forward_start),
+                       model.register_forward_hook(self._on_forward_end)]
+        model._offload_engine = self
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _place_weights(self, model: nn.Module, source: Any) -> None:
+        """Each block's fp32 masters into the optimizer state and its 16-bit weights to their
+        tier: a device flat buffer the parameters become views of, or the streamer's home (host
+        buffer or swap file). One block at a time: the extra memory while initialising is one
+        block. Parameters on the meta device are filled from `source`: an object with
+        read_tensors_into({name: tensor}) (a checkpoint reader) or such a callable."""
+        cfg = self.cfg
         self.flat16: list[torch.Tensor | None] = []  # device flat buffers (None when streamed)
         self.layers: nn.ModuleList | None = (model.get_submodule(self.block_list_path)
                                              if self.block_list_path is not None else None)
@@ -163,8 +202,6 @@ class Engine:
         if cfg.offload_params != "none":
             self._check_streamable()
         stream_flats: list[torch.Tensor] = []
-        # parameters on the meta device are filled from `source`: an object with
-        # read_tensors_into({name: tensor}) (a checkpoint reader) or such a callable
         fill = getattr(source, "read_tensors_into", source)
         trainable = set()
         for bi, block in enumerate(self.blocks):
@@ -187,7 +224,6 @@ class Engine:
             self.account.add("device", "weights", flat.numel() * flat.element_size())
             del master
         self.streaming: TrainingStreamer | None = None
-        self.act_store: ActivationStore | None = None
         if self.layer_of:
             self.streaming = TrainingStreamer(
                 self.layers, self.blocks, sorted(self.layer_of, key=self.layer_of.get),
@@ -197,6 +233,10 @@ class Engine:
             trainable.update(id(s.param) for bi in self.layer_of for s in self.blocks[bi].slots)
         del stream_flats
         move_frozen_and_buffers(model, self.device, self.dtype, trainable)
+
+    def _enable_checkpointing(self) -> None:
+        cfg = self.cfg
+        self.act_store: ActivationStore | None = None
         if cfg.activation_checkpointing:
             if self.layers is None:
                 raise ConfigError("activation_checkpointing needs a model whose blocks are an "
@@ -207,43 +247,19 @@ class Engine:
             # checkpointed already stays so)
             self._checkpointed = enable_activation_checkpointing(
                 self.layers, self.act_store, self.device) > 0
-        if isinstance(self.state, NvmeState):
-            self.state.end_step(self._unit_order(), 0)  # init state durable + first prefetch
-        self._overlap_jobs: list | None = None
-        self._weight_writes: list = []  # nvme-tier weight writes of the current step
-        self._weight_ring: list[torch.Tensor] = []
-        self._ring_writes: dict[int, Any] = {}
-        self._pending_io_s = 0.0
 
-        # offload="none" keeps gradients on the device (the plain reference path)
-        self.grads = GradLanding(
-            self.blocks, self.dtype, cfg.grad_accum_steps, self.account, self.links["d2h"],
-            source_device=self.device, pin=self.pin,
-            landing_device=self.device if cfg.offload == "none" else torch.device("cpu"),
-            pool_buffers=grad_pool_buffers(cfg, len(self.blocks)),
-            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
-        self.grads.attach()
-        # where steps write 16-bit weights: None = the live buffers (flat16); a delayed job's
-        # spare buffers while it runs (delayed.py)
-        self._weights_out: list[torch.Tensor] | None = None
-        self.delayed = DelayedUpdate(self) if path == "delayed" else None
-
+    def _make_upload_path(self) -> None:
+        """CUDA: the H2D stream updated weights go up on, and (when the step runs on the host)
+        the pinned ring they are staged in."""
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
-        if self.cuda and cfg.offload != "none":  # offload="none" steps on the device: no ring
-            ring = max(2, min(cfg.buffer_count, len(self.blocks)))
+        if self.cuda and self.cfg.offload != "none":  # "none" steps on the device: no ring
+            ring = max(2, min(self.cfg.buffer_count, len(self.blocks)))
             max_numel = max(b.numel for b in self.blocks)
             self._upload_ring = [host_empty(max_numel, self.dtype, self.pin) for _ in range(ring)]
             self._upload_done: list[torch.cuda.Event | None] = [None] * ring
             self.account.add("host", "buffers", ring * max_numel * self.dtype.itemsize)
-        self._fwd_t0: float | None = None
-        self._gpu_timer = GpuPhaseTimer(self.device) if self.cuda else None
-        self._link_mark = {k: v.nbytes for k, v in self.links.items()}
-        self._hooks = [model.register_forward_pre_hook(self._on_forward_start),
-                       model.register_forward_hook(self._on_forward_end)]
-        model._offload_engine = self
 
-    # -- set-up -----------------------------------------------------------------------------
     def _unit_order(self) -> list[int]:
         """Optimizer-state units (sub-groups of blocks) in the order the step consumes them."""
         return [u for bi in self._step_order() for u, _, _ in self.state.units_of(bi)]

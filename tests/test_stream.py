@@ -236,3 +236,25 @@ def test_illegal_block_transitions_raise(ckpt):
         assert streamer.state[1:] == [BlockState.ABSENT] * 3
     finally:
         streamer.close()
+
+
+def test_a_failed_read_gives_the_slot_back(tmp_path):
+    """A fetch whose read fails surfaces in wait(); the block is absent again and its slot free,
+    so the streamer can be released and closed cleanly."""
+    import os
+    from offload.stream import BlockState
+    save_pretrained(build_model(CFG, "cpu", torch.float32, source=5), tmp_path)
+    with CheckpointReader(tmp_path) as reader:
+        model, streamer = load_streamed(reader, ["nvme"] * 4, device="cpu", dtype=torch.float32)
+    streamer.detach()
+    try:
+        for shard in tmp_path.glob("*.safetensors"):
+            os.truncate(shard, 4096)  # every block's bytes are gone
+
+        with pytest.raises(Exception):
+            streamer.wait(2)
+        assert streamer.state[2] is BlockState.ABSENT
+        assert all(s.owner is None for s in streamer.slots) and streamer.pool.has_free()
+        streamer.release_all()
+    finally:
+        streamer.close()
