@@ -63,38 +63,35 @@ class DelayedUpdate:
     def step(self, rep: "StepReport", t_step: float, before: dict[str, int]) -> bool:
         e = self.engine
         self.apply(rep)
-        grad_scale, norm = e._grad_scale()
+        grad_scale, norm = e.grad_scale()
         rep.loss_scale, rep.grad_norm = e.loss_scale, norm
         if grad_scale is None:  # fp16 overflow: this update is skipped, nothing is submitted
             rep.applied = False
-            e._finish_report(rep, t_step, before)
+            e.finish_report(rep, t_step, before)
             return False
         grads = e.grads.swap_sets()  # the next backward lands in the other set
-        e._begin_update(grad_scale)  # step number, lr and grad scale are fixed here
+        update = e.begin_update(grad_scale)  # step number, lr and grad scale are fixed here
         job_rep = type(rep)()
-        self._job = (e._step_thread.submit(self._run, grads, job_rep), job_rep)
+        self._job = (e.step_thread.submit(self._run, update, grads, job_rep), job_rep)
         rep.delayed = True
-        e._finish_report(rep, t_step, before)
+        e.finish_report(rep, t_step, before)
         return True
 
-    def _run(self, grads: list[torch.Tensor], rep: "StepReport") -> None:
+    def _run(self, update, grads: list[torch.Tensor], rep: "StepReport") -> None:
         """On the step thread: every block stepped from `grads` into the shadow weights."""
         e = self.engine
-        # _upload_target / _upload write the new weights to e._weights_out: the shadow buffers
-        # while this job runs (the main thread reads e.flat16 meanwhile), the live ones otherwise.
-        # They are written through aliases with version counters of their own: a parameter
-        # keeps the version counter it was born with (`.data =` does not replace it), and one
-        # born as a view of a buffer shares that buffer's, so writing the buffer itself would
-        # "modify" live parameters that autograd saved in this very forward.
-        e._weights_out = [_alias(t) for t in self.shadow]
-        try:
-            for bi in e._step_order():
-                e._step_block(bi, rep, grads[bi])
-            # no compute-stream wait from this thread: apply() orders the compute stream after
-            # the uploads, on the main thread, when the weights go live
-            e._finish_update(rep, sync_compute=False)
-        finally:
-            e._weights_out = None
+        # The update writes its new weights to the shadow buffers (the main thread computes
+        # with e.flat16 meanwhile), through aliases with version counters of their own: a
+        # parameter keeps the version counter it was born with (`.data =` does not replace
+        # it), and one born as a view of a buffer shares that buffer's, so writing the buffer
+        # itself would "modify" live parameters that autograd saved in this very forward.
+        update.weights_out = [_alias(t) for t in self.shadow]
+        order = e.step_order()
+        for bi in order:
+            e.stepper.step_block(update, bi, rep, grads[bi])
+        # no compute-stream wait from this thread: apply() orders the compute stream after the
+        # uploads, on the main thread, when the weights go live
+        e.stepper.finish(update, rep, order, e.unit_order(), sync_compute=False)
 
     @property
     def pending(self) -> bool:

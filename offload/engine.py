@@ -18,7 +18,6 @@ One update, in order:
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,12 +34,12 @@ from offload.counters import TrainingCounters
 from offload import engine_state
 from offload.delayed import DelayedUpdate
 from offload.engine_state import NonFiniteError, StateError
-from offload.gpu import GpuPhaseTimer, host_event, on_stream, side_stream_delay
+from offload.gpu import GpuPhaseTimer
 from offload.grads import GradLanding
-from offload.optim import cpu_adamw_step
 from offload.optstate import NvmeState, ResidentState
+from offload.stepper import BlockStepper, Update
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, freeze_pin_cap,
-                           host_empty, peak_rss_bytes, return_large_frees_to_os, started_worker)
+                           peak_rss_bytes, return_large_frees_to_os, started_worker)
 from offload.train_plan import grad_pool_buffers, plan_training
 from offload.train_stream import TrainingStreamer
 
@@ -75,25 +74,6 @@ class StepReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def _torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                      grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
-                      eps: float, weight_decay: float, grad_scale: float = 1.0,
-                      out16: torch.Tensor | None = None) -> None:
-    """torch.optim.AdamW's single-tensor math with plain tensor ops, for state that lives on a
-    CUDA device (offload="none"); CPU state uses the fused kernel in offload.optim."""
-    g = grad.float()
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / bc1)
-    if out16 is not None:
-        out16.copy_(master)
 
 
 def _counter(name: str, doc: str) -> property:
@@ -135,7 +115,6 @@ class Engine:
         self.lr = cfg.lr
         # steps, micro-steps, loss-scale state and skips: one value, saved whole (counters.py)
         self.counters = TrainingCounters.start(cfg)
-        self._missing: dict[int, set[str]] = {}
         self._next_missing: dict[int, set[str]] = {}
         self._loss_finite: list[torch.Tensor] = []  # 0-d bools of this window's losses
         self._backward_done = False  # a backward() since the last step(): misuse checks
@@ -150,7 +129,7 @@ class Engine:
             # allocates anything: measured per request, every earlier (pageable) allocation
             # would lower it and the buffers that most need pinning come last (desk review H3)
             freeze_pin_cap()
-        self._step_thread = started_worker("offload-step")  # first: nothing to undo if it fails
+        self.step_thread = started_worker("offload-step")  # first: nothing to undo if it fails
 
         # optimizer state; then 16-bit weights, one block at a time so the peak extra memory
         # while initialising is one block
@@ -159,12 +138,8 @@ class Engine:
         self._place_weights(model, source)
         self._enable_checkpointing()
         if isinstance(self.state, NvmeState):
-            self.state.end_step(self._unit_order(), 0)  # init state durable + first prefetch
+            self.state.end_step(self.unit_order(), 0)  # init state durable + first prefetch
         self._overlap_jobs: list | None = None
-        self._weight_writes: list = []  # nvme-tier weight writes of the current step
-        self._weight_ring: list[torch.Tensor] = []
-        self._ring_writes: dict[int, Any] = {}
-        self._pending_io_s = 0.0
 
         # offload="none" keeps gradients on the device (the plain reference path)
         self.grads = GradLanding(
@@ -174,12 +149,11 @@ class Engine:
             pool_buffers=grad_pool_buffers(cfg, len(self.blocks)),
             pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
         self.grads.attach()
-        # where steps write 16-bit weights: None = the live buffers (flat16); a delayed job's
-        # spare buffers while it runs (delayed.py)
-        self._weights_out: list[torch.Tensor] | None = None
+        if self.cuda:  # updated 16-bit weights go up on this stream (stepper.py)
+            self.h2d_stream = torch.cuda.Stream(self.device)
+        self.stepper = BlockStepper(self)
+        self.update: Update | None = None  # the update being applied, from begin_update on
         self.delayed = DelayedUpdate(self) if path == "delayed" else None
-
-        self._make_upload_path()
         self._fwd_t0: float | None = None
         self._gpu_timer = GpuPhaseTimer(self.device) if self.cuda else None
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
@@ -248,23 +222,11 @@ class Engine:
             self._checkpointed = enable_activation_checkpointing(
                 self.layers, self.act_store, self.device) > 0
 
-    def _make_upload_path(self) -> None:
-        """CUDA: the H2D stream updated weights go up on, and (when the step runs on the host)
-        the pinned ring they are staged in."""
-        if self.cuda:
-            self.h2d_stream = torch.cuda.Stream(self.device)
-        if self.cuda and self.cfg.offload != "none":  # "none" steps on the device: no ring
-            ring = max(2, min(self.cfg.buffer_count, len(self.blocks)))
-            max_numel = max(b.numel for b in self.blocks)
-            self._upload_ring = [host_empty(max_numel, self.dtype, self.pin) for _ in range(ring)]
-            self._upload_done: list[torch.cuda.Event | None] = [None] * ring
-            self.account.add("host", "buffers", ring * max_numel * self.dtype.itemsize)
-
-    def _unit_order(self) -> list[int]:
+    def unit_order(self) -> list[int]:
         """Optimizer-state units (sub-groups of blocks) in the order the step consumes them."""
-        return [u for bi in self._step_order() for u, _, _ in self.state.units_of(bi)]
+        return [u for bi in self.step_order() for u, _, _ in self.state.units_of(bi)]
 
-    def _step_order(self) -> list[int]:
+    def step_order(self) -> list[int]:
         """Blocks in the order their gradients complete: layers last-to-first, then the rest
         block (its embedding gradient is the last one backward produces)."""
         layers = [i for i, b in enumerate(self.blocks) if b.module is not None]
@@ -362,7 +324,7 @@ class Engine:
         if overlap:
             # the update's math needs nothing global (no clipping, no overflow check), so each
             # block is stepped by the step thread as soon as its final gradients land
-            self._begin_update(1.0)
+            self.begin_update(1.0)
             self._overlap_rep = StepReport()
             self._overlap_jobs = []
             self.grads.on_block_done = self._submit_block_step
@@ -419,26 +381,26 @@ class Engine:
                     f"land); the in-memory state is inconsistent: resume from the last "
                     f"checkpoint (untouched), and set grad_clip (--grad-clip) so every gradient "
                     f"is checked before any block is stepped")
-            self._take_missing()  # blocks not stepped yet may miss slots
+            self.update.missing = self._take_missing()  # blocks not stepped yet may miss slots
             o = self._overlap_rep
             rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
             rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
             self._finish_update(rep)
             self.counters.on_applied(self.cfg)
-            self._finish_report(rep, t_step, before)
+            self.finish_report(rep, t_step, before)
             return True
-        grad_scale, norm = self._grad_scale()
+        grad_scale, norm = self.grad_scale()
         rep.loss_scale = self.loss_scale
         rep.grad_norm = norm
         if grad_scale is None:  # non-finite (fp16: overflow, scale lowered): nothing touched
             rep.applied, rep.nonfinite = False, True
-            self._finish_report(rep, t_step, before)
+            self.finish_report(rep, t_step, before)
             return False
         self._apply(grad_scale, rep)
-        self._finish_report(rep, t_step, before)
+        self.finish_report(rep, t_step, before)
         return True
 
-    def _finish_report(self, rep: StepReport, t_step: float, before: dict[str, int]) -> None:
+    def finish_report(self, rep: StepReport, t_step: float, before: dict[str, int]) -> None:
         rep.step_s = time.perf_counter() - t_step
         if self._gpu_timer is not None:
             done = self._gpu_timer.collect()
@@ -455,7 +417,7 @@ class Engine:
     def _losses_finite(self) -> bool:
         return bool(torch.stack(self._loss_finite).all()) if self._loss_finite else True
 
-    def _grad_scale(self) -> tuple[float | None, float | None]:
+    def grad_scale(self) -> tuple[float | None, float | None]:
         """(factor to multiply gradients by, global norm of the true gradients) — or (None, norm)
         when a loss or gradient is inf/nan (fp16: an overflow) and the update must be skipped.
         The per-parameter norms were taken as the gradients landed, so the check over every
@@ -479,98 +441,32 @@ class Engine:
         return float(coef) * inv_scale if inv_scale != 1.0 else float(coef), float(total)
 
     # -- the update ---------------------------------------------------------------------------
-    def _begin_update(self, grad_scale: float) -> None:
-        """Everything the per-block steps of one update share; the update's step number."""
+    def begin_update(self, grad_scale: float) -> Update:
+        """The next update, fixed now (step number, lr, gradient scale); the stepper applies it
+        block by block (offload/stepper.py), from whichever thread the step path uses."""
         self.global_step += 1
-        self._take_missing()  # overlapped: {} now, the real set at step()
         self._overlap_poisoned = None
-        self._grad_scale_now = grad_scale
-        self._lr_now = self.lr  # fixed for the update (a delayed one runs while lr may change)
-        self._stepped: set[int] = set()
-        self._k = 0
-        self._io0 = self.state.io_wait_s
+        self.update = Update(step=self.global_step, lr=self.lr, grad_scale=grad_scale,
+                             io0=self.state.io_wait_s, missing=self._take_missing())
         if self.cuda:
             # the H2D stream overwrites device weights that backward's kernels may still be
             # reading: order it after everything issued so far on the compute stream
             self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.state.begin_step(self._unit_order())
+        self.state.begin_step(self.unit_order())
+        return self.update
 
-    def _step_block(self, bi: int, rep: StepReport, grad: torch.Tensor | None = None) -> None:
-        """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier.
-        `grad`: the block's flat gradient (default: where it landed in this backward)."""
-        cfg = self.cfg
-        beta1, beta2 = cfg.betas
-        kernel = (_torch_adamw_step if (cfg.offload == "none" and self.cuda) else
-                  functools.partial(cpu_adamw_step, exact=cfg.exact_optimizer))
-        out16, slot = self._upload_target(bi, self._k)
-        self._k += 1
-        grad = self.grads.buffer(bi) if grad is None else grad
-        segments = self._segments(bi)
-        for u, lo, hi in self.state.units_of(bi):  # sub-groups of a large block, in order
-            master, exp_avg, exp_avg_sq = self.state.acquire(u)
-            t0 = time.perf_counter()
-            for a, b, step in segments or [(lo, hi, self.global_step)]:
-                a, b = max(a, lo), min(b, hi)  # block offsets, inside this unit
-                if a >= b:
-                    continue
-                m = slice(a - lo, b - lo)
-                if step is None:  # no gradient this window: left as it is (torch skips it)
-                    if self.dtype != torch.float32:
-                        out16[a:b].copy_(master[m])
-                    continue
-                kernel(master[m], exp_avg[m], exp_avg_sq[m], grad[a:b], step=step,
-                       lr=self._lr_now, beta1=beta1, beta2=beta2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, grad_scale=self._grad_scale_now,
-                       out16=out16[a:b] if self.dtype != torch.float32 else None)
-            if self.dtype == torch.float32:
-                out16[lo:hi].copy_(master)
-            rep.cpu_step_s += time.perf_counter() - t0
-            self.state.release(u, modified=True)
-        self.grads.release_buffer(bi)
-        t0 = time.perf_counter()
-        self._upload(bi, out16, slot)
-        rep.upload_s += time.perf_counter() - t0
-        self._stepped.add(bi)
-
-    def _take_missing(self) -> None:
+    def _take_missing(self) -> dict[int, set[str]]:
         """This update's slots without a gradient (found at step()): not stepped, and their
-        own AdamW step count falls one further behind."""
-        self._missing, self._next_missing = self._next_missing, {}
-        for names in self._missing.values():
+        own AdamW step count falls one further behind. Overlapped: {} when the update begins
+        in backward, the real set at step()."""
+        missing, self._next_missing = self._next_missing, {}
+        for names in missing.values():
             for name in names:
                 self.slot_skips[name] = self.slot_skips.get(name, 0) + 1
+        return missing
 
-    def _segments(self, bi: int) -> list[tuple[int, int, int | None]] | None:
-        """Block bi's slots as (begin, end, AdamW step number or None = not stepped), when its
-        slots do not all share this update's step number; None (one kernel call) otherwise."""
-        missing = self._missing.get(bi, ())
-        slots = self.blocks[bi].slots
-        if not missing and not any(s.name in self.slot_skips for s in slots):
-            return None
-        return [(s.offset, s.offset + s.numel,
-                 None if s.name in missing else self.global_step - self.slot_skips.get(s.name, 0))
-                for s in slots]
-
-    def _finish_update(self, rep: StepReport, sync_compute: bool = True) -> None:
-        """Blocks not stepped yet, then make the update durable and visible to the next forward
-        (sync_compute: order the compute stream after the uploads now)."""
-        for bi in self._step_order():
-            if bi not in self._stepped:
-                self._step_block(bi, rep)
-        t0 = time.perf_counter()
-        for h in self._weight_writes:  # nvme-tier weights: the next forward reads the files
-            h.wait()
-        self._weight_writes = []
-        self._ring_writes = {}
-        rep.io_wait_s += time.perf_counter() - t0 + self._pending_io_s
-        self._pending_io_s = 0.0
-        self.state.end_step(self._unit_order(), self.global_step)
-        if self.cuda and sync_compute:
-            t0 = time.perf_counter()
-            # the next forward runs on the compute stream; it must see the new weights
-            torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
-            rep.upload_s += time.perf_counter() - t0
-        rep.io_wait_s += self.state.io_wait_s - self._io0
+    def _finish_update(self, rep: StepReport) -> None:
+        self.stepper.finish(self.update, rep, self.step_order(), self.unit_order())
 
     def _submit_block_step(self, bi: int) -> None:
         """Called when block bi's final gradients have landed (autograd thread on CPU, landing
@@ -584,66 +480,12 @@ class Engine:
             # the upload may overwrite the device weights only after backward's kernels that
             # read them: the H2D stream waits on the block's last gradient event (GPU-side)
             self.h2d_stream.wait_event(self.grads.block_event[bi])
-        self._overlap_jobs.append(self._step_thread.submit(self._step_block, bi, self._overlap_rep))
+        self._overlap_jobs.append(self.step_thread.submit(self.stepper.step_block, self.update, bi,
+                                                          self._overlap_rep))
 
     def _apply(self, grad_scale: float, rep: StepReport) -> None:
-        self._begin_update(grad_scale)
+        self.begin_update(grad_scale)
         self._finish_update(rep)
-
-    def _upload_target(self, bi: int, k: int) -> tuple[torch.Tensor, tuple[str, int]]:
-        """Where the step writes block bi's new weights (compute dtype), and how they move on:
-        ("direct", -1): the device buffer itself (the device is the CPU, or offload="none");
-        ("ring", r): pinned ring slot r, then uploaded on the H2D stream;
-        ("host", -1): a streamed block's host buffer (cpu tier) — fetched from there next time;
-        ("nvme", r): staging slot r, then written behind to the block's weight swap file."""
-        numel = self.blocks[bi].numel
-        if bi in self.layer_of:
-            li = self.layer_of[bi]
-            target = self.streaming.weight_target(li)
-            if target is not None:
-                return target, ("host", -1)
-            if not self._weight_ring:  # aligned: O_DIRECT writes go straight out of it
-                from nvme import aligned_empty
-                largest = max(self.blocks[b].numel for b in self.layer_of)
-                self._weight_ring = [aligned_empty(largest, self.dtype)
-                                     for _ in range(self.cfg.buffer_count)]
-                self._ring_writes: dict[int, Any] = {}
-                self.account.add("host", "buffers", len(self._weight_ring) * largest * self.dtype.itemsize)
-            r = k % len(self._weight_ring)
-            if r in self._ring_writes:  # the slot's previous write must be out before reuse
-                t0 = time.perf_counter()
-                self._ring_writes.pop(r).wait()
-                self._pending_io_s += time.perf_counter() - t0
-            return self._weight_ring[r][:numel], ("nvme", r)
-        if not self.cuda or self.cfg.offload == "none":
-            return (self._weights_out or self.flat16)[bi], ("direct", -1)
-        r = k % len(self._upload_ring)
-        done = self._upload_done[r]
-        if done is not None:
-            # the slot's previous upload must have left before the kernel overwrites it: a host
-            # wait on that one (blocking) event, on the thread that steps
-            done.synchronize()
-        return self._upload_ring[r][:numel], ("ring", r)
-
-    def _upload(self, bi: int, out16: torch.Tensor, where: tuple[str, int]) -> None:
-        kind, r = where
-        nbytes = out16.numel() * out16.element_size()
-        if kind == "ring":
-            with on_stream(self.h2d_stream):
-                side_stream_delay(self.h2d_stream)  # test knob (offload/gpu.py): a late upload
-                (self._weights_out or self.flat16)[bi].copy_(out16, non_blocking=True)
-                ev = host_event()
-                ev.record(self.h2d_stream)
-            self._upload_done[r] = ev
-        elif kind == "nvme":
-            h = self.streaming.write_weights(self.layer_of[bi], out16)
-            self._ring_writes[r] = h
-            self._weight_writes.append(h)
-            self.links["nvme_write"].add(nbytes)
-            return
-        elif kind == "host":
-            return  # written in place by the kernel; the streamer fetches it next forward
-        self.links["h2d"].add(nbytes)
 
     # -- inspection -------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -653,7 +495,7 @@ class Engine:
 
     def master_params(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 CPU tensor}: the current master weights (copies)."""
-        self._join_delayed()
+        self.join_delayed()
         out: dict[str, torch.Tensor] = {}
         for bi, block in enumerate(self.blocks):
             flat = self.state.read(bi, "master")
@@ -663,7 +505,7 @@ class Engine:
     def iter_master_params(self):
         """(name, fp32 CPU tensor) one block at a time — the non-layer block first, then the
         layers in order (checkpoint order) — so exporting a model holds one block in memory."""
-        self._join_delayed()
+        self.join_delayed()
         order = [i for i, b in enumerate(self.blocks) if b.module is None] + \
                 [i for i, b in enumerate(self.blocks) if b.module is not None]
         for bi in order:
@@ -673,10 +515,10 @@ class Engine:
 
     def optimizer_state(self, bi: int) -> dict[str, torch.Tensor]:
         """Copies of block bi's flat fp32 state: master, exp_avg, exp_avg_sq."""
-        self._join_delayed()
+        self.join_delayed()
         return {k: self.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
 
-    def _join_delayed(self) -> None:
+    def join_delayed(self) -> None:
         if self.delayed is not None:
             self.delayed.join()
 
@@ -745,7 +587,7 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        parts = [self.grads.close, lambda: self._step_thread.shutdown(wait=True)]
+        parts = [self.grads.close, lambda: self.step_thread.shutdown(wait=True)]
         if getattr(self, "_checkpointed", False):  # the model's own forwards back, hooks gone
             parts.append(lambda: disable_activation_checkpointing(self.layers))
         if self.cuda:

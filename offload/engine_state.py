@@ -66,7 +66,7 @@ def save_state(engine: "Engine", directory: str) -> None:
     # A delayed update whose weights are not live yet is saved as it is: the masters
     # already include it and the weights in use are saved beside them ("live"), so the
     # resumed run computes with the same stale weights as the run that goes on.
-    engine._join_delayed()
+    engine.join_delayed()
     pending = engine.delayed is not None and engine.delayed.pending
     os.makedirs(directory, exist_ok=True)
     for bi, block in enumerate(engine.blocks):
@@ -166,4 +166,4 @@ def load_state(engine: "Engine", directory: str) -> None:
     if pending and engine.delayed is not None:
         engine.delayed.mark_pending()  # the next step() makes the masters' weights live
     if isinstance(engine.state, NvmeState):
-        engine.state.end_step(engine._unit_order(), engine.global_step)
+        engine.state.end_step(engine.unit_order(), engine.global_step)

@@ -468,7 +468,7 @@ def test_H3_buffers_that_cross_the_link_are_pinned_and_state_is_not(tmp_path, re
                                                grad_clip=1.0))
     try:
         assert all(t.is_pinned() for t in engine.grads.landing if t is not None)
-        assert all(t.is_pinned() for t in engine._upload_ring)
+        assert all(t.is_pinned() for t in engine.stepper.upload_ring)
         streamer = engine.streaming.streamer
         assert all(streamer.host_buffer(i).is_pinned() for i in streamer._host)
         master, m, v = engine.state.acquire(0)
@@ -635,7 +635,7 @@ def test_L4_no_upload_ring_without_offload(tmp_path):
     engine = offload.initialize(model, cfg_for(tmp_path, offload="none"))
     try:
         assert engine.account.held("host", "buffers") == 0
-        assert not hasattr(engine, "_upload_ring")
+        assert engine.stepper.upload_ring == []
     finally:
         engine.close()
 
