@@ -97,6 +97,7 @@ def _child(argv: list[str]) -> int:
     import offload.models.hf
     import offload.models.llama
     import offload.optim
+    import offload.stepper
     from runners.finetune import main
 
     spec = os.environ.get(KILL_ENV, "")
@@ -154,7 +155,7 @@ def _child(argv: list[str]) -> int:
         return out
     offload.models.llama.DecoderLayer.forward = decoder_forward
 
-    kernel = offload.engine.cpu_adamw_step
+    kernel = offload.stepper.cpu_adamw_step
 
     def adamw(*a, **k):
         if when != "after" and hit("cpu-step"):
@@ -163,7 +164,7 @@ def _child(argv: list[str]) -> int:
         if when == "after" and hit("cpu-step"):
             die("the CPU AdamW step (after a block's kernel, before its write-behind)")
         return out
-    offload.engine.cpu_adamw_step = adamw
+    offload.stepper.cpu_adamw_step = adamw  # read when the engine builds its stepper
     offload.optim.cpu_adamw_step = adamw
 
     finish_write = nvme.swap.SwapStore._finish_write
