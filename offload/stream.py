@@ -178,9 +178,9 @@ class BlockStreamer:
     def _move(self, i: int, to: BlockState) -> None:
         """The one place a block changes state; an illegal move is a bug in the caller."""
         if (self.state[i], to) not in LEGAL_MOVES:
+            legal = ", ".join(sorted(f"{a.value} -> {b.value}" for a, b in LEGAL_MOVES))
             raise StreamError(f"block {i}: illegal move {self.state[i].value} -> {to.value} "
-                              f"(legal: absent -> resident | in_flight, in_flight -> in_use | "
-                              f"absent, in_use -> absent)")
+                              f"(legal: {legal})")
         self.state[i] = to
 
     @property
@@ -480,8 +480,8 @@ class BlockStreamer:
         fut, slot = self._jobs.pop(victim)
         fut.result()  # the copy into it is in flight; the copy stream keeps later copies after it
         self._move(victim, BlockState.ABSENT)
-        slot.owner = i
-        return slot
+        self.pool.cancel(slot)  # the only free slot now: taken at once for block i
+        return self.pool.take(i)
 
     def _distance(self, j: int) -> int:
         n = len(self.schedule)
