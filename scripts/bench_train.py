@@ -63,6 +63,29 @@ MODES = {
 }
 
 
+def timed_updates(model, engine, ids: torch.Tensor, steps: int,
+                  sync=lambda: None) -> tuple[list[float], list]:
+    """One warm-up update, then `steps` timed ones, each over ids [accum, batch, seq + 1] (one
+    micro-batch per row, next-token loss): (seconds per update, their StepReports). `sync`
+    waits for the device (CUDA), so an update's time includes its device work."""
+    step_s, reports = [], []
+    for i in range(steps + 1):  # the first update is warm-up
+        sync()
+        t0 = time.perf_counter()
+        for k in range(ids.shape[0]):  # engine.step() applies the update on the last micro-batch
+            logits = model(ids[k, :, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                     ids[k, :, 1:].reshape(-1))
+            del logits
+            engine.backward(loss)
+            engine.step()
+        sync()
+        if i:
+            step_s.append(time.perf_counter() - t0)
+            reports.append(engine.last_report)
+    return step_s, reports
+
+
 def run_mode(mode: str, args, swap_root: str) -> dict:
     cfg_model = preset(args.model)
     model = build_model(cfg_model, device="meta")
@@ -77,18 +100,8 @@ def run_mode(mode: str, args, swap_root: str) -> dict:
     # seeded init straight into the engine, block by block
     engine = offload.initialize(model, cfg, source=seeded_init(args.seed, cfg_model.initializer_range))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg_model.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
-    step_s, reports = [], []
-    for i in range(args.steps + 1):  # the first update is warm-up
-        t0 = time.perf_counter()
-        logits = model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                 ids[:, 1:].reshape(-1))
-        engine.backward(loss)
-        engine.step()
-        if i:
-            step_s.append(time.perf_counter() - t0)
-            reports.append(engine.last_report)
+    ids = torch.randint(0, cfg_model.vocab_size, (1, args.batch_size, args.seq_len + 1), generator=g)
+    step_s, reports = timed_updates(model, engine, ids, args.steps)
     out = {"mode": mode, "step_s": statistics.median(step_s),
            "overlapped": reports[-1].overlapped_blocks,
            **{k: statistics.median(getattr(r, k) for r in reports) for k in SPLIT},

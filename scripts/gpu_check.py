@@ -238,21 +238,8 @@ def child_train(spec: dict) -> dict:
     ids = torch.randint(0, mcfg.vocab_size, (accum, mb, seq + 1), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    step_s, reports = [], []
-    for i in range(spec["steps"] + 1):  # the first update is warm-up
-        sync()
-        t0 = time.perf_counter()
-        for k in range(accum):  # engine.step() applies the update on the last micro-batch
-            logits = model(ids[k, :, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                     ids[k, :, 1:].reshape(-1))
-            del logits
-            engine.backward(loss)
-            engine.step()
-        sync()  # the update's device work is in its time
-        if i:
-            step_s.append(time.perf_counter() - t0)
-            reports.append(engine.last_report.as_dict())
+    step_s, reports = bench.timed_updates(model, engine, ids, spec["steps"], sync)
+    reports = [r.as_dict() for r in reports]
     engine.close()
     median_s = statistics.median(step_s)
     tokens_per_s = mb * seq * accum / median_s
