@@ -7,7 +7,7 @@ fp16 overflow check). The delayed update overlaps the *whole* step with everythi
 the math needs, at a price the user opts into: the gradients of update t+1 are computed on the
 weights from before update t (one step stale), as in DeepSpeed's delayed parameter update.
 
-The order, per optimizer update (what `DelayedUpdate.step` does in `engine.step()`):
+The order, per optimizer update (what `Delayed.step` does in `engine.step()`):
   1. wait for update t-1's job and make its weights live: the block's parameters are re-pointed
      at the buffers the job wrote (the next forward reads them), the old ones become the next
      job's output buffers — two device copies of the 16-bit weights, swapped, never copied;
@@ -34,9 +34,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from offload.blocks import bind_views
+from offload.step_paths import AfterBackward
+from offload.stepper import StepReport, Update
 
 if TYPE_CHECKING:
-    from offload.engine import Engine, StepReport
+    from offload.engine import Engine
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -45,39 +47,42 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
-class DelayedUpdate:
+class Delayed(AfterBackward):
+    """The delayed step path (offload/step_paths.py): step() hands the update to a job."""
+    name = "delayed"
+
     def __init__(self, engine: "Engine"):
         assert all(f is not None for f in engine.flat16), "delayed_update needs resident weights"
-        self.engine = engine
+        super().__init__(engine)
         # the job's output: a second device copy of every block's 16-bit weights
         self.shadow = [torch.empty_like(f) for f in engine.flat16]
         for f in self.shadow:
             engine.account.add("device", "weights", f.numel() * f.element_size())
         engine.grads.add_second_set()
-        self._job: tuple[Future, "StepReport"] | None = None
+        self._job: tuple[Future, StepReport] | None = None
 
     def active(self) -> bool:
         """Past the warm-up: this update is delayed."""
         return self.engine.global_step >= self.engine.cfg.delayed_update_warmup
 
-    def step(self, rep: "StepReport", t_step: float, before: dict[str, int]) -> bool:
+    def step(self, rep: StepReport) -> bool:
+        if not self.active():  # a warm-up update: synchronous
+            return super().step(rep)
         e = self.engine
         self.apply(rep)
         grad_scale, norm = e.grad_scale()
         rep.loss_scale, rep.grad_norm = e.loss_scale, norm
         if grad_scale is None:  # fp16 overflow: this update is skipped, nothing is submitted
-            rep.applied = False
-            e.finish_report(rep, t_step, before)
+            rep.applied, rep.nonfinite = False, True
             return False
         grads = e.grads.swap_sets()  # the next backward lands in the other set
         update = e.begin_update(grad_scale)  # step number, lr and grad scale are fixed here
-        job_rep = type(rep)()
+        job_rep = StepReport()
         self._job = (e.step_thread.submit(self._run, update, grads, job_rep), job_rep)
         rep.delayed = True
-        e.finish_report(rep, t_step, before)
         return True
 
-    def _run(self, update, grads: list[torch.Tensor], rep: "StepReport") -> None:
+    def _run(self, update: Update, grads: list[torch.Tensor], rep: StepReport) -> None:
         """On the step thread: every block stepped from `grads` into the shadow weights."""
         e = self.engine
         # The update writes its new weights to the shadow buffers (the main thread computes
@@ -103,14 +108,17 @@ class DelayedUpdate:
         live yet; the next step() does, as it would have."""
         done: Future = Future()
         done.set_result(None)
-        self._job = (done, type(self.engine.last_report)())
+        self._job = (done, StepReport())
 
     def join(self) -> None:
         """Wait for the pending job (re-raising its failure); its weights stay pending."""
         if self._job is not None:
             self._job[0].result()
 
-    def apply(self, rep: "StepReport") -> None:
+    def flush(self) -> None:
+        self.apply(StepReport())
+
+    def apply(self, rep: StepReport) -> None:
         """Wait for the pending job and make its weights the ones the model computes with."""
         if self._job is None:
             return

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -32,48 +31,17 @@ from offload.blocks import bind_views, gather_flat, group_blocks, move_frozen_an
 from offload.config import ConfigError, OffloadConfig, as_config
 from offload.counters import TrainingCounters
 from offload import engine_state
-from offload.delayed import DelayedUpdate
+from offload.delayed import Delayed
 from offload.engine_state import NonFiniteError, StateError
 from offload.gpu import GpuPhaseTimer
 from offload.grads import GradLanding
 from offload.optstate import NvmeState, ResidentState
-from offload.stepper import BlockStepper, Update
+from offload.step_paths import AfterBackward, Overlapped
+from offload.stepper import BlockStepper, StepReport, Update
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, freeze_pin_cap,
                            peak_rss_bytes, return_large_frees_to_os, started_worker)
 from offload.train_plan import grad_pool_buffers, plan_training
 from offload.train_stream import TrainingStreamer
-
-
-@dataclass
-class StepReport:
-    """Where one optimizer update's time went, and the bytes it moved per link."""
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    grad_wait_s: float = 0.0  # waiting for device->host gradient copies after backward
-    cpu_step_s: float = 0.0  # AdamW kernels
-    io_wait_s: float = 0.0  # waiting for optimizer state reads/writes (nvme)
-    upload_s: float = 0.0  # 16-bit weights host->device
-    step_s: float = 0.0  # the whole engine.step() call that applied the update
-    bytes: dict[str, int] = field(default_factory=dict)  # link -> bytes this update
-    overlap_wait_s: float = 0.0  # waiting at step() for work on the step thread
-    # the parts of cpu_step_s / upload_s that ran on the step thread, overlapped with forward
-    # and backward (so not in this update's wall time)
-    hidden_cpu_step_s: float = 0.0
-    hidden_upload_s: float = 0.0
-    overlapped_blocks: int = 0  # blocks stepped while backward was still running
-    delayed: bool = False  # this update's CPU step runs during the next forward and backward
-    applied: bool = True
-    nonfinite: bool = False  # skipped: a loss or gradient was inf/nan (fp16 overflow included)
-    loss_scale: float = 1.0
-    grad_norm: float | None = None
-    # CUDA: GPU time of the forwards and backwards whose kernels had finished when this update
-    # was applied, from timing events on the compute stream (forward_s / backward_s are host
-    # time: on a GPU, mostly the time to queue kernels). None on the CPU device.
-    forward_gpu_s: float | None = None
-    backward_gpu_s: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 def _counter(name: str, doc: str) -> property:
@@ -118,11 +86,9 @@ class Engine:
         self._next_missing: dict[int, set[str]] = {}
         self._loss_finite: list[torch.Tensor] = []  # 0-d bools of this window's losses
         self._backward_done = False  # a backward() since the last step(): misuse checks
-        self._overlap_poisoned: int | None = None  # first block with inf/nan gradients
         self.last_report = StepReport()
         self._pending = StepReport()
         path, self.overlap_why = cfg.step_path()  # how the step meets backward, and why
-        self.overlap = path == "overlapped"
         self._check_budgets()
         if self.pin:
             # the pinned-memory cap is fixed now, from the RAM available before this engine
@@ -139,7 +105,6 @@ class Engine:
         self._enable_checkpointing()
         if isinstance(self.state, NvmeState):
             self.state.end_step(self.unit_order(), 0)  # init state durable + first prefetch
-        self._overlap_jobs: list | None = None
 
         # offload="none" keeps gradients on the device (the plain reference path)
         self.grads = GradLanding(
@@ -153,7 +118,9 @@ class Engine:
             self.h2d_stream = torch.cuda.Stream(self.device)
         self.stepper = BlockStepper(self)
         self.update: Update | None = None  # the update being applied, from begin_update on
-        self.delayed = DelayedUpdate(self) if path == "delayed" else None
+        # how the step meets backward: a policy object (offload/step_paths.py)
+        self.path: AfterBackward = {"after": AfterBackward, "overlapped": Overlapped,
+                                    "delayed": Delayed}[path](self)
         self._fwd_t0: float | None = None
         self._gpu_timer = GpuPhaseTimer(self.device) if self.cuda else None
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
@@ -316,18 +283,7 @@ class Engine:
         # kept as a 0-d tensor: reading it now would make the host wait for the forward
         # (a device sync on CUDA); step() reads them all at once, where it waits anyway
         self._loss_finite.append(torch.isfinite(loss.detach()))
-        overlap = self.grads.is_last_micro and self.overlap
-        if overlap and not self._losses_finite():
-            # an update with a non-finite loss is skipped, so no block may be stepped while
-            # this backward runs (the one sync the overlapped path pays for the guard)
-            overlap = False
-        if overlap:
-            # the update's math needs nothing global (no clipping, no overflow check), so each
-            # block is stepped by the step thread as soon as its final gradients land
-            self.begin_update(1.0)
-            self._overlap_rep = StepReport()
-            self._overlap_jobs = []
-            self.grads.on_block_done = self._submit_block_step
+        self.path.backward_begins(self.grads.is_last_micro)
         t0 = time.perf_counter()
         # loss / accum (not loss * (1/accum)): the same float the plain-PyTorch loop computes
         scaled = loss / accum if self.loss_scale == 1.0 else loss * self.loss_scale / accum
@@ -364,43 +320,11 @@ class Engine:
         rep.grad_wait_s = self.grads.wait()
         self.grads.finish_window()
         self._next_missing = self.grads.missing()
-        if self.delayed is not None and self.delayed.active():
-            return self.delayed.step(rep, t_step, before)
-        if self._overlap_jobs is not None:  # blocks already stepped during backward
-            t0 = time.perf_counter()
-            for job in self._overlap_jobs:
-                job.result()  # re-raises a failure of the step thread
-            rep.overlap_wait_s = time.perf_counter() - t0
-            rep.overlapped_blocks = len(self._overlap_jobs)
-            self._overlap_jobs = None
-            if self._overlap_poisoned is not None:
-                raise NonFiniteError(
-                    f"non-finite gradients in {self.blocks[self._overlap_poisoned].name} with a "
-                    f"finite loss, after {rep.overlapped_blocks} blocks of this update were "
-                    f"already stepped (the overlapped step applies each block as its gradients "
-                    f"land); the in-memory state is inconsistent: resume from the last "
-                    f"checkpoint (untouched), and set grad_clip (--grad-clip) so every gradient "
-                    f"is checked before any block is stepped")
-            self.update.missing = self._take_missing()  # blocks not stepped yet may miss slots
-            o = self._overlap_rep
-            rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
-            rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
-            self._finish_update(rep)
-            self.counters.on_applied(self.cfg)
-            self.finish_report(rep, t_step, before)
-            return True
-        grad_scale, norm = self.grad_scale()
-        rep.loss_scale = self.loss_scale
-        rep.grad_norm = norm
-        if grad_scale is None:  # non-finite (fp16: overflow, scale lowered): nothing touched
-            rep.applied, rep.nonfinite = False, True
-            self.finish_report(rep, t_step, before)
-            return False
-        self._apply(grad_scale, rep)
-        self.finish_report(rep, t_step, before)
-        return True
+        applied = self.path.step(rep)
+        self._finish_report(rep, t_step, before)
+        return applied
 
-    def finish_report(self, rep: StepReport, t_step: float, before: dict[str, int]) -> None:
+    def _finish_report(self, rep: StepReport, t_step: float, before: dict[str, int]) -> None:
         rep.step_s = time.perf_counter() - t_step
         if self._gpu_timer is not None:
             done = self._gpu_timer.collect()
@@ -414,7 +338,8 @@ class Engine:
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
         self.last_report = rep
 
-    def _losses_finite(self) -> bool:
+    def losses_finite(self) -> bool:
+        """Every loss of this window is finite (a host sync on the device's losses)."""
         return bool(torch.stack(self._loss_finite).all()) if self._loss_finite else True
 
     def grad_scale(self) -> tuple[float | None, float | None]:
@@ -425,7 +350,7 @@ class Engine:
         cfg = self.cfg
         fp16 = cfg.dtype == "fp16"
         total = self.grads.global_norm(self._norm_order)  # of the (loss-scaled) gradients
-        if not (self._losses_finite() and bool(torch.isfinite(total))):
+        if not (self.losses_finite() and bool(torch.isfinite(total))):
             self.counters.on_nonfinite(cfg)
             return None, float(total)
         self.counters.on_applied(cfg)
@@ -445,9 +370,8 @@ class Engine:
         """The next update, fixed now (step number, lr, gradient scale); the stepper applies it
         block by block (offload/stepper.py), from whichever thread the step path uses."""
         self.global_step += 1
-        self._overlap_poisoned = None
         self.update = Update(step=self.global_step, lr=self.lr, grad_scale=grad_scale,
-                             io0=self.state.io_wait_s, missing=self._take_missing())
+                             io0=self.state.io_wait_s, missing=self.take_missing())
         if self.cuda:
             # the H2D stream overwrites device weights that backward's kernels may still be
             # reading: order it after everything issued so far on the compute stream
@@ -455,7 +379,7 @@ class Engine:
         self.state.begin_step(self.unit_order())
         return self.update
 
-    def _take_missing(self) -> dict[int, set[str]]:
+    def take_missing(self) -> dict[int, set[str]]:
         """This update's slots without a gradient (found at step()): not stepped, and their
         own AdamW step count falls one further behind. Overlapped: {} when the update begins
         in backward, the real set at step()."""
@@ -465,27 +389,13 @@ class Engine:
                 self.slot_skips[name] = self.slot_skips.get(name, 0) + 1
         return missing
 
-    def _finish_update(self, rep: StepReport) -> None:
-        self.stepper.finish(self.update, rep, self.step_order(), self.unit_order())
-
-    def _submit_block_step(self, bi: int) -> None:
-        """Called when block bi's final gradients have landed (autograd thread on CPU, landing
-        worker on CUDA): step it on the step thread while backward continues."""
-        if self._overlap_poisoned is not None or not self.grads.block_finite(bi):
-            # a finite loss with inf/nan gradients: this block is not stepped; step() stops
-            if self._overlap_poisoned is None:
-                self._overlap_poisoned = bi
-            return
+    def order_upload_after_backward(self, bi: int) -> None:
+        """Before block bi's new weights go up during backward (overlapped path): the upload may
+        overwrite the device weights only after backward's kernels that read them, so the H2D
+        stream waits on the block's last gradient event (GPU-side). Streamed blocks' weights
+        are not the device buffers backward reads; nothing to order on the CPU."""
         if self.cuda and bi in self.grads.block_event and bi not in self.layer_of:
-            # the upload may overwrite the device weights only after backward's kernels that
-            # read them: the H2D stream waits on the block's last gradient event (GPU-side)
             self.h2d_stream.wait_event(self.grads.block_event[bi])
-        self._overlap_jobs.append(self.step_thread.submit(self.stepper.step_block, self.update, bi,
-                                                          self._overlap_rep))
-
-    def _apply(self, grad_scale: float, rep: StepReport) -> None:
-        self.begin_update(grad_scale)
-        self._finish_update(rep)
 
     # -- inspection -------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -518,16 +428,25 @@ class Engine:
         self.join_delayed()
         return {k: self.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
 
+    @property
+    def overlap(self) -> bool:
+        """Blocks are stepped during backward (the overlapped step path)."""
+        return self.path.name == "overlapped"
+
+    @property
+    def delayed(self) -> Delayed | None:
+        """The delayed step path (its pending job and shadow weights), when configured."""
+        return self.path if isinstance(self.path, Delayed) else None
+
     def join_delayed(self) -> None:
-        if self.delayed is not None:
-            self.delayed.join()
+        """Wait for step work still running on the step thread (a delayed update's job)."""
+        self.path.join()
 
     def flush(self) -> None:
         """Make a delayed update's pending weights the live ones now: a synchronisation point
         that changes what the next forward computes with (to look without changing anything,
         use `latest_weights()`). A no-op without delayed_update."""
-        if self.delayed is not None:
-            self.delayed.apply(StepReport())
+        self.path.flush()
 
     @contextlib.contextmanager
     def latest_weights(self):

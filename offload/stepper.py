@@ -30,7 +30,39 @@ from offload.optim import cpu_adamw_step
 from offload.tiers import host_empty
 
 if TYPE_CHECKING:
-    from offload.engine import Engine, StepReport
+    from offload.engine import Engine
+
+
+@dataclass
+class StepReport:
+    """Where one optimizer update's time went, and the bytes it moved per link."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    grad_wait_s: float = 0.0  # waiting for device->host gradient copies after backward
+    cpu_step_s: float = 0.0  # AdamW kernels
+    io_wait_s: float = 0.0  # waiting for optimizer state reads/writes (nvme)
+    upload_s: float = 0.0  # 16-bit weights host->device
+    step_s: float = 0.0  # the whole engine.step() call that applied the update
+    bytes: dict[str, int] = field(default_factory=dict)  # link -> bytes this update
+    overlap_wait_s: float = 0.0  # waiting at step() for work on the step thread
+    # the parts of cpu_step_s / upload_s that ran on the step thread, overlapped with forward
+    # and backward (so not in this update's wall time)
+    hidden_cpu_step_s: float = 0.0
+    hidden_upload_s: float = 0.0
+    overlapped_blocks: int = 0  # blocks stepped while backward was still running
+    delayed: bool = False  # this update's CPU step runs during the next forward and backward
+    applied: bool = True
+    nonfinite: bool = False  # skipped: a loss or gradient was inf/nan (fp16 overflow included)
+    loss_scale: float = 1.0
+    grad_norm: float | None = None
+    # CUDA: GPU time of the forwards and backwards whose kernels had finished when this update
+    # was applied, from timing events on the compute stream (forward_s / backward_s are host
+    # time: on a GPU, mostly the time to queue kernels). None on the CPU device.
+    forward_gpu_s: float | None = None
+    backward_gpu_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 @dataclass
@@ -87,7 +119,7 @@ class BlockStepper:
             self.upload_done = [None] * ring
             engine.account.add("host", "buffers", ring * max_numel * engine.dtype.itemsize)
 
-    def step_block(self, u: Update, bi: int, rep: "StepReport",
+    def step_block(self, u: Update, bi: int, rep: StepReport,
                    grad: torch.Tensor | None = None) -> None:
         """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier.
         `grad`: the block's flat gradient (default: where it landed in this backward)."""
@@ -133,7 +165,7 @@ class BlockStepper:
         return [(s.offset, s.offset + s.numel,
                  None if s.name in missing else u.step - skips.get(s.name, 0)) for s in slots]
 
-    def finish(self, u: Update, rep: "StepReport", order: list[int], unit_order: list[int],
+    def finish(self, u: Update, rep: StepReport, order: list[int], unit_order: list[int],
                sync_compute: bool = True) -> None:
         """Blocks not stepped yet (in `order`), then make the update durable and visible to the
         next forward (sync_compute: order the compute stream after the uploads now)."""
