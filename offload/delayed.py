@@ -58,7 +58,6 @@ class Delayed(AfterBackward):
         self.shadow = [torch.empty_like(f) for f in engine.flat16]
         for f in self.shadow:
             engine.account.add("device", "weights", f.numel() * f.element_size())
-        engine.grads.add_second_set()
         self._job: tuple[Future, StepReport] | None = None
 
     def active(self) -> bool:

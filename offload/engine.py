@@ -112,7 +112,8 @@ class Engine:
             source_device=self.device, pin=self.pin,
             landing_device=self.device if cfg.offload == "none" else torch.device("cpu"),
             pool_buffers=grad_pool_buffers(cfg, len(self.blocks)),
-            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
+            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None,
+            double=path == "delayed")  # the delayed update steps from one set, lands in the other
         self.grads.attach()
         if self.cuda:  # updated 16-bit weights go up on this stream (stepper.py)
             self.h2d_stream = torch.cuda.Stream(self.device)

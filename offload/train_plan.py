@@ -21,7 +21,7 @@ import torch
 
 from nvme.io import ALIGN
 from offload.config import ConfigError, OffloadConfig, format_bytes
-from offload.grads import D2H_BACKLOG_BLOCKS
+from offload.grad_transport import D2H_BACKLOG_BLOCKS
 from offload.tiers import (TIERS, BudgetError, check_fits, device_free_bytes, disk_free_bytes,
                            host_free_bytes, pinned_bytes)
 

@@ -402,13 +402,13 @@ def test_H1_accumulation_with_a_slow_landing_worker(dtype, tmp_path, monkeypatch
         for n, p in ref_model.named_parameters():
             total[n] += p.grad.float()
             p.grad = None
-    slow = GradLanding._land_host
+    slow = GradLanding.land_host
 
     def slow_land(self, *a, **k):
         time.sleep(0.02)
         return slow(self, *a, **k)
 
-    monkeypatch.setattr(GradLanding, "_land_host", slow_land)
+    monkeypatch.setattr(GradLanding, "land_host", slow_land)
     engine = offload.initialize(model, cfg_for(tmp_path, dtype=dtype, grad_accum_steps=4,
                                                overlap_step=False))
     try:
@@ -483,10 +483,10 @@ def test_H3_buffers_that_cross_the_link_are_pinned_and_state_is_not(tmp_path, re
 def test_H3_gradient_hook_does_not_block(tmp_path):
     """A pinned landing buffer makes the gradient copy asynchronous: the hook returns in well
     under a millisecond even for a 100 MB gradient (a pageable one would wait for the copy)."""
-    from offload.grads import GradLanding
+    from offload.grad_transport import Cuda
     model = nn.Sequential(nn.Linear(5000, 5000, bias=False)).to(DEV, torch.bfloat16)
     durations = []
-    inner = GradLanding._land_cuda
+    inner = Cuda.land
 
     def timed(self, *a, **k):
         t0 = time.perf_counter()
@@ -495,7 +495,7 @@ def test_H3_gradient_hook_does_not_block(tmp_path):
 
     engine = offload.initialize(model, cfg_for(tmp_path, dtype="bf16", grad_clip=1.0))
     try:
-        engine.grads._land_cuda = timed.__get__(engine.grads)
+        engine.grads.transport.land = timed.__get__(engine.grads.transport)
         x = torch.randn(64, 5000, device=DEV, dtype=torch.bfloat16)
         for _ in range(3):
             engine.backward(model(x).float().pow(2).mean())
@@ -551,13 +551,13 @@ def test_M1_overlapped_steps_with_jittered_landing(tmp_path, monkeypatch):
     import random
     from offload.grads import GradLanding
     rng = random.Random(0)
-    inner = GradLanding._after_land
+    inner = GradLanding.after_land
 
     def jittered(self, *a, **k):
         time.sleep(rng.random() * 0.002)
         return inner(self, *a, **k)
 
-    monkeypatch.setattr(GradLanding, "_after_land", jittered)
+    monkeypatch.setattr(GradLanding, "after_land", jittered)
     torch.manual_seed(0)
     cfg = cfg_for(tmp_path, overlap_step=True)
     assert cfg.step_path()[0] == "overlapped"
@@ -573,7 +573,7 @@ def test_M2_landing_worker_sleeps_while_waiting(tmp_path):
     model = MLP(d=64).to(DEV)
     engine = offload.initialize(model, cfg_for(tmp_path, grad_clip=1.0))
     try:
-        worker = engine.grads._worker
+        worker = engine.grads.transport.worker
         native = worker.native_id
 
         def cpu_s() -> float:

@@ -81,7 +81,7 @@ def test_M1_callback_read_once():
 
     g = Vanishing([block], torch.float32, 1, MemoryAccount(), LinkCounter())
     g.begin_micro(0)
-    g._after_land(0, block.slots[0])  # a second read would return None and call it
+    g.after_land(0, block.slots[0])  # a second read would return None and call it
     assert Vanishing.reads == 1
 
 
@@ -173,7 +173,7 @@ def test_training_plan_on_a_gpu_counts_pinned_rounding_and_the_d2h_backlog():
     copy bounded by D2H_BACKLOG_BLOCKS largest blocks (review M5); no upload ring and no
     backlog without offload (review L4)."""
     from offload.config import OffloadConfig
-    from offload.grads import D2H_BACKLOG_BLOCKS
+    from offload.grad_transport import D2H_BACKLOG_BLOCKS
     from offload.train_plan import plan_training
     gpu = torch.device("cuda", 0)
     blocks = [(3_000_000, True)] * 4 + [(5_000_000, False)]
