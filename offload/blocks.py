@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from offload.tiers import PlanBytes
+
 
 class BlockError(ValueError):
     """The model cannot be split into blocks as asked."""
@@ -105,6 +107,12 @@ def group_blocks(model: nn.Module, block_list: str | None = None,
     if not blocks:
         raise BlockError("the model has no trainable parameters (requires_grad=True)")
     return blocks, list_path
+
+
+def resident_weight_bytes(numels: list[int], itemsize: int) -> PlanBytes:
+    """The device flat buffers of the blocks that stay on the device (what the engine makes and
+    binds each block's parameters to as views; the plan_bytes of Engine._place_weights)."""
+    return {("device", "weights"): sum(numels) * itemsize}
 
 
 def bind_views(block: Block, flat: torch.Tensor, model: nn.Module | None = None) -> None:

@@ -240,6 +240,21 @@ class OffloadConfig:
             return "after", "the fp16 overflow check needs every gradient first"
         return "overlapped", "no clipping and no overflow check: each block steps as its gradients land"
 
+    def grad_landing(self, num_blocks: int) -> tuple[str, int]:
+        """Which gradient landing buffers a model of `num_blocks` blocks gets, and how many pool
+        buffers (offload/grad_storage.py): "pooled" needs the overlapped step (each block
+        consumed as soon as it lands), no accumulation (nothing kept between micro-batches) and
+        host landing, and pays off only with more blocks than buffers; "double" is the delayed
+        update's; otherwise "per_block". One answer for the engine and the planner."""
+        path = self.step_path()[0]
+        if path == "delayed":
+            return "double", 0
+        if path == "overlapped" and self.grad_accum_steps == 1 and self.offload != "none":
+            pool = max(3, self.buffer_count)
+            if pool < num_blocks:
+                return "pooled", pool
+        return "per_block", 0
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

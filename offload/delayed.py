@@ -36,6 +36,7 @@ import torch
 from offload.blocks import bind_views
 from offload.step_paths import AfterBackward
 from offload.stepper import StepReport, Update
+from offload.tiers import PlanBytes
 
 if TYPE_CHECKING:
     from offload.engine import Engine
@@ -59,6 +60,11 @@ class Delayed(AfterBackward):
         for f in self.shadow:
             engine.account.add("device", "weights", f.numel() * f.element_size())
         self._job: tuple[Future, StepReport] | None = None
+
+    @staticmethod
+    def plan_bytes(resident_numels: list[int], itemsize: int) -> PlanBytes:
+        """The shadow copy of the resident 16-bit weights (the job's output)."""
+        return {("device", "weights"): sum(resident_numels) * itemsize}
 
     def active(self) -> bool:
         """Past the warm-up: this update is delayed."""

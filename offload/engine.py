@@ -40,7 +40,7 @@ from offload.step_paths import AfterBackward, Overlapped
 from offload.stepper import BlockStepper, StepReport, Update
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, freeze_pin_cap,
                            peak_rss_bytes, return_large_frees_to_os, started_worker)
-from offload.train_plan import grad_pool_buffers, plan_training
+from offload.train_plan import plan_training
 from offload.train_stream import TrainingStreamer
 
 
@@ -106,14 +106,15 @@ class Engine:
         if isinstance(self.state, NvmeState):
             self.state.end_step(self.unit_order(), 0)  # init state durable + first prefetch
 
-        # offload="none" keeps gradients on the device (the plain reference path)
+        # offload="none" keeps gradients on the device (the plain reference path); the delayed
+        # update steps from one set while the next backward lands in the other
+        storage, pool = cfg.grad_landing(len(self.blocks))
         self.grads = GradLanding(
             self.blocks, self.dtype, cfg.grad_accum_steps, self.account, self.links["d2h"],
             source_device=self.device, pin=self.pin,
-            landing_device=self.device if cfg.offload == "none" else torch.device("cpu"),
-            pool_buffers=grad_pool_buffers(cfg, len(self.blocks)),
-            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None,
-            double=path == "delayed")  # the delayed update steps from one set, lands in the other
+            landing_tier="device" if cfg.offload == "none" else "host",
+            storage=storage, pool_buffers=pool,
+            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
         self.grads.attach()
         if self.cuda:  # updated 16-bit weights go up on this stream (stepper.py)
             self.h2d_stream = torch.cuda.Stream(self.device)

@@ -29,36 +29,33 @@ from typing import Callable
 
 import torch
 
-from offload.tiers import MemoryAccount, host_empty, host_zeros
+from offload.tiers import MemoryAccount, PlanBytes, host_empty, host_zeros, no_pinning
 
 POOL_TIMEOUT_S = 600.0
-PlanBytes = dict[tuple[str, str], int]  # (tier, kind) -> bytes
-
-
-def _tier(device: torch.device) -> str:
-    return "host" if device.type == "cpu" else "device"
 
 
 class PerBlock:
     """One landing buffer per block, made at start-up, zeroed."""
     kind = "per_block"
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, pin: bool,
-                 account: MemoryAccount):
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, tier: str,
+                 pin: bool, account: MemoryAccount):
+        """`tier`: the account's name for where `device` is ("device": kept where gradients are
+        made, offload="none" -- also when that device is the CPU)."""
         self.numels, self.dtype, self.pin, self.account = numels, dtype, pin, account
-        self.tier = _tier(device)
+        self.tier = tier
         self.landing: list[torch.Tensor | None] = [self._zeros(n, device) for n in numels]
         for t in self.landing:
             account.add(self.tier, "grads", t.numel() * t.element_size())
 
     @staticmethod
     def plan_bytes(numels: list[int], itemsize: int, tier: str,
-                   pin: Callable[[int], int] = int) -> PlanBytes:
+                   pin: Callable[[int], int] = no_pinning) -> PlanBytes:
         """`pin`: what a pinned host buffer of that many bytes really takes (tiers.pinned_bytes)."""
         return {(tier, "grads"): sum(pin(n * itemsize) for n in numels)}
 
     def _zeros(self, numel: int, device: torch.device) -> torch.Tensor:
-        if self.tier == "host":
+        if device.type == "cpu":
             return host_zeros(numel, self.dtype, self.pin)
         return torch.zeros(numel, dtype=self.dtype, device=device)
 
@@ -74,17 +71,17 @@ class Double(PerBlock):
     backward lands in the other."""
     kind = "double"
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, pin: bool,
-                 account: MemoryAccount):
-        assert device.type == "cpu", "the delayed update lands gradients in host memory"
-        super().__init__(numels, dtype, device, pin, account)
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, tier: str,
+                 pin: bool, account: MemoryAccount):
+        assert tier == "host", "the delayed update lands gradients in host memory"
+        super().__init__(numels, dtype, device, tier, pin, account)
         self.other = [host_zeros(n, dtype, pin) for n in numels]
         for t in self.other:
             account.add("host", "grads", t.numel() * t.element_size())
 
     @staticmethod
     def plan_bytes(numels: list[int], itemsize: int, tier: str,
-                   pin: Callable[[int], int] = int) -> PlanBytes:
+                   pin: Callable[[int], int] = no_pinning) -> PlanBytes:
         return {(tier, "grads"): 2 * sum(pin(n * itemsize) for n in numels)}
 
     def swap_sets(self) -> list[torch.Tensor]:
@@ -114,22 +111,24 @@ class Pooled:
         largest = max(numels[i] for i in self.pooled_blocks)
         self.pool: queue.Queue = queue.Queue()
         for _ in range(pool_buffers):
-            self.pool.put(host_zeros(largest, dtype, pin))
-        account.add("host", "grads", pool_buffers * largest * dtype.itemsize)
+            buf = host_zeros(largest, dtype, pin)
+            account.add("host", "grads", buf.nbytes)
+            self.pool.put(buf)
         rest = set(range(len(numels))) - self.pooled_blocks
         self.lazy = rest if lazy_rest else set()  # made at first landing, freed after the step
         self.extra: set[int] = set()  # the same, made when the pool cannot serve (_take)
         self.landing: list[torch.Tensor | None] = [
             host_zeros(n, dtype, pin) if i in rest and i not in self.lazy else None
             for i, n in enumerate(numels)]
-        for i in rest - self.lazy:
-            account.add("host", "grads", numels[i] * dtype.itemsize)
+        for t in self.landing:
+            if t is not None:
+                account.add("host", "grads", t.nbytes)
         self.base: list[torch.Tensor | None] = [None] * len(numels)  # pool buffer held by block
         self.pool_wait_s = 0.0
 
     @staticmethod
     def plan_bytes(numels: list[int], itemsize: int, pool_buffers: int, pooled_blocks: set[int],
-                   pin: Callable[[int], int] = int) -> PlanBytes:
+                   pin: Callable[[int], int] = no_pinning) -> PlanBytes:
         largest = max(numels[i] for i in pooled_blocks)
         own = sum(pin(n * itemsize) for i, n in enumerate(numels) if i not in pooled_blocks)
         return {("host", "grads"): pool_buffers * pin(largest * itemsize) + own}

@@ -29,7 +29,7 @@ import torch
 
 from offload.blocks import ParamSlot
 from offload.gpu import host_delay, host_event, on_stream, side_stream_delay
-from offload.tiers import MemoryAccount, host_empty
+from offload.tiers import MemoryAccount, PlanBytes, host_empty, no_pinning
 
 if TYPE_CHECKING:
     from offload.grads import GradLanding
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 # caching allocator never holds an unplanned backlog of up to the whole model's gradients
 # (train_plan counts exactly this bound; desk review M5).
 D2H_BACKLOG_BLOCKS = 2
-PlanBytes = dict[tuple[str, str], int]
 
 
 class Inline:
@@ -103,7 +102,7 @@ class Cuda:
 
     @staticmethod
     def plan_bytes(numels: list[int], itemsize: int, accum_steps: int,
-                   pin: Callable[[int], int] = int) -> PlanBytes:
+                   pin: Callable[[int], int] = no_pinning) -> PlanBytes:
         """Staging (accumulation) and the device gradients the backlog bound lets wait."""
         out = {("device", "grads"): D2H_BACKLOG_BLOCKS * max(numels) * itemsize}
         if accum_steps > 1:

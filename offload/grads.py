@@ -42,9 +42,15 @@ import torch
 from offload.blocks import Block, ParamSlot
 from offload.grad_storage import Double, PerBlock, Pooled
 from offload.grad_transport import Cuda, Inline
-from offload.tiers import LinkCounter, MemoryAccount
+from offload.tiers import LinkCounter, MemoryAccount, PlanBytes, no_pinning
 
 NORM_CHUNK = 1 << 22  # elements cast to fp32 at a time when a 16-bit gradient's norm is taken
+
+
+def landing_dtype(grad_dtype: torch.dtype, accum_steps: int) -> torch.dtype:
+    """fp32 when micro-batches are summed (16-bit sums would lose precision), else the
+    gradients' own dtype."""
+    return torch.float32 if accum_steps > 1 else grad_dtype
 
 
 def fp32_norm(flat: torch.Tensor) -> torch.Tensor:
@@ -62,23 +68,24 @@ def fp32_norm(flat: torch.Tensor) -> torch.Tensor:
 class GradLanding:
     def __init__(self, blocks: list[Block], grad_dtype: torch.dtype, accum_steps: int,
                  account: MemoryAccount, d2h: LinkCounter, *,
-                 source_device: torch.device = torch.device("cpu"),
-                 landing_device: torch.device = torch.device("cpu"), pin: bool = False,
-                 pool_buffers: int = 0, pooled_blocks: set[int] | None = None,
-                 double: bool = False):
+                 source_device: torch.device = torch.device("cpu"), landing_tier: str = "host",
+                 pin: bool = False, storage: str = "per_block", pool_buffers: int = 0,
+                 pooled_blocks: set[int] | None = None):
+        """`landing_tier`: "device" keeps gradients where they are made (offload="none"), "host"
+        moves them to host RAM; `storage` and `pool_buffers`: OffloadConfig.grad_landing()."""
         self.blocks = blocks
         self.grad_dtype = grad_dtype
         self.accum_steps = accum_steps
         self.d2h = d2h
         # the asynchronous path: gradients produced on a GPU landing in host memory
-        self.cuda = source_device.type == "cuda" and landing_device.type == "cpu"
+        self.cuda = source_device.type == "cuda" and landing_tier == "host"
         self.device = source_device
         # Accumulating several micro-batches of 16-bit gradients in 16 bits would lose
         # precision, so with accumulation the landing buffer is fp32.
-        self.landing_dtype = torch.float32 if accum_steps > 1 else grad_dtype
+        self.landing_dtype = landing_dtype(grad_dtype, accum_steps)
         numels = [b.numel for b in blocks]
-        if pool_buffers > 0:
-            assert accum_steps == 1 and landing_device.type == "cpu", \
+        if storage == "pooled":
+            assert accum_steps == 1 and landing_tier == "host" and pool_buffers > 0, \
                 "pooled landing needs accum 1 on the host"
             self.storage = Pooled(
                 numels, self.landing_dtype, pin, account, pool_buffers=pool_buffers,
@@ -88,8 +95,9 @@ class GradLanding:
                 lazy_rest=not self.cuda, incomplete=self.incomplete,
                 names=[b.name for b in blocks])
         else:
-            kind = Double if double else PerBlock
-            self.storage = kind(numels, self.landing_dtype, landing_device, pin, account)
+            kind = {"double": Double, "per_block": PerBlock}[storage]
+            where = source_device if landing_tier == "device" else torch.device("cpu")
+            self.storage = kind(numels, self.landing_dtype, where, landing_tier, pin, account)
         self.slot_norm: dict[str, torch.Tensor] = {}  # param name -> fp32 0-d norm (final grads)
         self.micro = 0  # micro-batch index inside the accumulation window
         # slots that received a gradient in this window (the first one overwrites the buffer,
@@ -99,6 +107,24 @@ class GradLanding:
         self.on_block_done: Callable[[int], None] | None = None  # block index, all grads final
         self._hooks: list = []
         self.transport = Cuda(self, source_device, pin, account) if self.cuda else Inline(self)
+
+    @staticmethod
+    def plan_bytes(numels: list[int], grad_dtype: torch.dtype, accum_steps: int, *,
+                   cuda: bool, landing_tier: str, storage: str, pool_buffers: int,
+                   pooled_blocks: set[int] | None, pin: Callable[[int], int]) -> PlanBytes:
+        """What the constructor with these arguments allocates (`cuda`: gradients come from a
+        GPU; `pin`: pinned_bytes when host buffers are pinned)."""
+        itemsize = landing_dtype(grad_dtype, accum_steps).itemsize
+        host_pin = pin if landing_tier == "host" else no_pinning
+        if storage == "pooled":
+            pooled = set(range(len(numels))) if pooled_blocks is None else pooled_blocks
+            out = Pooled.plan_bytes(numels, itemsize, pool_buffers, pooled, host_pin)
+        else:
+            kind = {"double": Double, "per_block": PerBlock}[storage]
+            out = kind.plan_bytes(numels, itemsize, landing_tier, host_pin)
+        if cuda and landing_tier == "host":
+            out.update(Cuda.plan_bytes(numels, grad_dtype.itemsize, accum_steps, pin))
+        return out
 
     @property
     def landing(self) -> list[torch.Tensor | None]:

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import torch
 
 from offload.blocks import Block
-from offload.tiers import LinkCounter, MemoryAccount, host_zeros, started_worker
+from offload.tiers import LinkCounter, MemoryAccount, PlanBytes, host_zeros, started_worker
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -42,6 +42,12 @@ class ResidentState:
         self._device, self._pin, self._account = device, pin, account
         self.io_wait_s = 0.0
 
+    @staticmethod
+    def plan_bytes(numels: list[int], tier: str) -> PlanBytes:
+        """fp32 master + exp_avg + exp_avg_sq of every block, on `tier` (never pinned)."""
+        n = sum(numels)
+        return {(tier, "masters"): n * 4, (tier, "moments"): n * 8}
+
     def _alloc(self, numel: int) -> torch.Tensor:
         if self.tier == "device":
             return torch.zeros(numel, dtype=torch.float32, device=self._device)
@@ -52,8 +58,8 @@ class ResidentState:
         master, m, v = self._alloc(numel), self._alloc(numel), self._alloc(numel)
         master.copy_(master_fp32)
         self.state[bi] = (master, m, v)
-        self._account.add(self.tier, "masters", numel * 4)
-        self._account.add(self.tier, "moments", numel * 8)
+        self._account.add(self.tier, "masters", master.nbytes)
+        self._account.add(self.tier, "moments", m.nbytes + v.nbytes)
 
     def units_of(self, bi: int) -> list[tuple[int, int, int]]:
         """(unit, first element, end element) of block bi: resident state is one unit a block."""
@@ -123,7 +129,7 @@ class NvmeState:
         # buffer_count sets of (master, exp_avg, exp_avg_sq), each sized for the largest unit
         self.sets = [tuple(aligned_empty(max_numel, torch.float32) for _ in STATE_KINDS)
                      for _ in range(buffer_count)]
-        account.add("host", "buffers", buffer_count * 3 * max_numel * 4)
+        account.add("host", "buffers", sum(t.nbytes for s in self.sets for t in s))
         for b in blocks:
             account.add("nvme", "masters", b.numel * 4)
             account.add("nvme", "moments", b.numel * 8)
@@ -134,6 +140,15 @@ class NvmeState:
         self.io_wait_s = 0.0
         self._tail_thread = started_worker("offload-swap-tail")
         self._tail: Future | None = None  # the previous step's end (see end_step)
+
+    @staticmethod
+    def plan_bytes(numels: list[int], buffer_count: int, sub_group_params: int) -> PlanBytes:
+        """The state in swap files, and buffer_count staging sets sized for the largest unit
+        (sub-group) in host RAM."""
+        n = sum(numels)
+        largest_unit = max(hi - lo for b in numels for lo, hi in split_units(b, sub_group_params))
+        return {("nvme", "masters"): n * 4, ("nvme", "moments"): n * 8,
+                ("host", "buffers"): buffer_count * len(STATE_KINDS) * largest_unit * 4}
 
     def units_of(self, bi: int) -> list[tuple[int, int, int]]:
         return self.block_units[bi]

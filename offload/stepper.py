@@ -21,13 +21,13 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from offload.gpu import host_event, on_stream, side_stream_delay
 from offload.optim import cpu_adamw_step
-from offload.tiers import host_empty
+from offload.tiers import PlanBytes, host_empty
 
 if TYPE_CHECKING:
     from offload.engine import Engine
@@ -79,6 +79,12 @@ class Update:
     k: int = 0  # blocks stepped so far: rotates the rings
 
 
+def upload_ring_len(buffer_count: int, num_blocks: int) -> int:
+    """Pinned slots new 16-bit weights are uploaded from: a block can be stepped into one while
+    the previous one's upload runs."""
+    return max(2, min(buffer_count, num_blocks))
+
+
 def torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                      grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
                      eps: float, weight_decay: float, grad_scale: float = 1.0,
@@ -113,11 +119,24 @@ class BlockStepper:
         self.upload_ring: list[torch.Tensor] = []
         self.upload_done: list = []
         if engine.cuda and cfg.offload != "none":  # "none" steps on the device: no ring
-            ring = max(2, min(cfg.buffer_count, len(engine.blocks)))
+            ring = upload_ring_len(cfg.buffer_count, len(engine.blocks))
             max_numel = max(b.numel for b in engine.blocks)
             self.upload_ring = [host_empty(max_numel, engine.dtype, engine.pin) for _ in range(ring)]
             self.upload_done = [None] * ring
-            engine.account.add("host", "buffers", ring * max_numel * engine.dtype.itemsize)
+            engine.account.add("host", "buffers", sum(t.nbytes for t in self.upload_ring))
+
+    @staticmethod
+    def plan_bytes(numels: list[int], nvme_layer_numels: list[int], itemsize: int, *,
+                   cuda: bool, offload: str, buffer_count: int,
+                   pin: Callable[[int], int]) -> PlanBytes:
+        """The pinned upload ring (CUDA, state off the device) and the write-behind ring of the
+        blocks whose 16-bit weights live in swap files (`nvme_layer_numels`; pageable)."""
+        ring = 0
+        if cuda and offload != "none":
+            ring = upload_ring_len(buffer_count, len(numels)) * pin(max(numels) * itemsize)
+        if nvme_layer_numels:
+            ring += buffer_count * max(nvme_layer_numels) * itemsize
+        return {("host", "buffers"): ring} if ring else {}
 
     def step_block(self, u: Update, bi: int, rep: StepReport,
                    grad: torch.Tensor | None = None) -> None:
@@ -203,8 +222,7 @@ class BlockStepper:
                 largest = max(e.blocks[b].numel for b in e.layer_of)
                 self.weight_ring = [aligned_empty(largest, e.dtype)
                                     for _ in range(e.cfg.buffer_count)]
-                e.account.add("host", "buffers",
-                              len(self.weight_ring) * largest * e.dtype.itemsize)
+                e.account.add("host", "buffers", sum(t.nbytes for t in self.weight_ring))
             r = k % len(self.weight_ring)
             if r in self.ring_writes:  # the slot's previous write must be out before reuse
                 t0 = time.perf_counter()

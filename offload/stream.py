@@ -216,6 +216,12 @@ class BlockStreamer:
     def _direct_into_slot(self, i: int) -> bool:
         return not self.cuda and self._stored_dtype[i] == self.dtype
 
+    @staticmethod
+    def slot_raw_bytes(block_bytes: int, cuda: bool) -> int:
+        """One slot's bytes for blocks of up to `block_bytes`: on the CPU +ALIGN, room to line a
+        direct read up with the file offset."""
+        return block_bytes if cuda else block_bytes + ALIGN
+
     def _allocate_streaming(self) -> None:
         """Slots and staging, allocated once for the whole run (no per-fetch allocation)."""
         streamed = [i for i in range(len(self.layers)) if self._streamed(i)]
@@ -227,11 +233,11 @@ class BlockStreamer:
             return
         tiers = {self.residency[i] for i in streamed}
         n_slots = 1 + max(self.depth[t] for t in tiers)
-        slot_bytes = max(self.block_bytes(i) for i in streamed)
+        slot_bytes = self.slot_raw_bytes(max(self.block_bytes(i) for i in streamed), self.cuda)
         raws = []
         for _ in range(n_slots):
             raw = (torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda
-                   else aligned_empty(slot_bytes + ALIGN))  # +ALIGN: room to line up with the file
+                   else aligned_empty(slot_bytes))
             if self.cuda:
                 # allocated on the compute stream, written on the copy stream: when the slot is
                 # freed (close, or the model dropped with prefetches still in flight) the

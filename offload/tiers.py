@@ -240,6 +240,18 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return t
 
 
+# What one component will allocate: (tier, kind) -> bytes. Each component's `plan_bytes()`
+# (beside its constructor) returns one; the training planner adds them up (train_plan.py), and
+# the component records the same numbers in the MemoryAccount as it allocates.
+PlanBytes = dict[tuple[str, str], int]
+
+
+def no_pinning(nbytes: int) -> int:
+    """What a pageable buffer of `nbytes` takes (the `pin` argument of plan_bytes when buffers
+    are not pinned; pinned_bytes when they are)."""
+    return nbytes
+
+
 class MemoryAccount:
     """Bytes held per (tier, kind), with the peak of each tier's total. Thread-safe: gradient
     landing and IO workers update it too."""
@@ -248,6 +260,7 @@ class MemoryAccount:
         self._lock = threading.Lock()
         self._bytes: dict[tuple[str, str], int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
+        self._kind_peak: dict[tuple[str, str], int] = defaultdict(int)
 
     def add(self, tier: str, kind: str, nbytes: int) -> None:
         assert tier in TIERS and kind in KINDS, (tier, kind)
@@ -255,6 +268,7 @@ class MemoryAccount:
             self._bytes[tier, kind] += nbytes
             total = sum(v for (t, _), v in self._bytes.items() if t == tier)
             self._peak[tier] = max(self._peak[tier], total)
+            self._kind_peak[tier, kind] = max(self._kind_peak[tier, kind], self._bytes[tier, kind])
 
     def sub(self, tier: str, kind: str, nbytes: int) -> None:
         with self._lock:
@@ -269,6 +283,11 @@ class MemoryAccount:
     def peak(self, tier: str) -> int:
         with self._lock:
             return self._peak[tier]
+
+    def kind_peaks(self) -> dict[tuple[str, str], int]:
+        """{(tier, kind): the most bytes of that kind held at once}: what a plan must cover."""
+        with self._lock:
+            return {k: v for k, v in self._kind_peak.items() if v}
 
     def report(self) -> dict[str, dict[str, int]]:
         """{tier: {kind: bytes, ..., "total": bytes, "peak": bytes}} for every tier."""

@@ -19,11 +19,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nvme.io import ALIGN
+from offload.blocks import resident_weight_bytes
 from offload.config import ConfigError, OffloadConfig, format_bytes
-from offload.grad_transport import D2H_BACKLOG_BLOCKS
-from offload.tiers import (TIERS, BudgetError, check_fits, device_free_bytes, disk_free_bytes,
-                           host_free_bytes, pinned_bytes)
+from offload.delayed import Delayed
+from offload.grads import GradLanding
+from offload.optstate import NvmeState, ResidentState
+from offload.stepper import BlockStepper
+from offload.tiers import (TIERS, BudgetError, PlanBytes, check_fits, device_free_bytes,
+                           disk_free_bytes, host_free_bytes, no_pinning, pinned_bytes)
+from offload.train_stream import TrainingStreamer
 
 
 @dataclass
@@ -101,93 +105,66 @@ def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtyp
                               head=2 * batch * seq * model_cfg.vocab_size * 4)
 
 
-def grad_pool_buffers(cfg: OffloadConfig, num_blocks: int) -> int:
-    """Block-sized gradient landing buffers when gradients can be pooled (0: one per block).
-    Pooling needs the overlapped step (each block consumed as soon as it lands) and no
-    accumulation (nothing to keep between micro-batches)."""
-    if cfg.step_path()[0] != "overlapped" or cfg.grad_accum_steps > 1 or cfg.offload == "none":
-        return 0
-    pool = max(3, cfg.buffer_count)
-    return pool if pool < num_blocks else 0
-
-
 def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
                   device: torch.device | None = None,
                   activations: ActivationEstimate | None = None) -> TrainingPlan:
     """Bytes per tier for training a model whose trainable parameters form `blocks`
-    ((element count, is a ModuleList layer) each), under `cfg`; activations when estimated."""
+    ((element count, is a ModuleList layer) each), under `cfg`; activations when estimated.
+    The sum of what each component says it will allocate (its plan_bytes(), beside its
+    constructor), so the plan cannot drift from the allocations: tests/test_plan_measured.py
+    builds every tier combination and compares the two."""
     device = device or cfg.resolve_device()
     sizes = [n for n, _ in blocks]
-    layers = [n for n, is_layer in blocks if is_layer]
-    n, largest = sum(sizes), max(sizes)
+    layers = [i for i, (_, is_layer) in enumerate(blocks) if is_layer]
     itemsize = cfg.torch_dtype.itemsize
-    streamed = cfg.offload_params != "none" and bool(layers)
+    streamed = set(layers) if cfg.offload_params != "none" else set()
     cuda = device.type == "cuda"
     # Host buffers that cross the link are pinned on a GPU, and pinned memory comes in powers
     # of two (offload/tiers.py, pinned_bytes): plan what they really take (desk review H4).
-    pin = pinned_bytes if cuda and cfg.pin_memory else (lambda b: b)
-    grad_item = 4 if cfg.grad_accum_steps > 1 else itemsize
-    grad_bytes = sum(pin(b * grad_item) for b in sizes)
-    plan = TrainingPlan(cfg, device, n, largest, len(blocks))
-    dev: dict[str, int] = {}
-    host: dict[str, int] = {}
-    nvme: dict[str, int] = {}
-    plan.bytes = {"device": dev, "host": host, "nvme": nvme}
+    pin = pinned_bytes if cuda and cfg.pin_memory else no_pinning
+    resident = [n for i, n in enumerate(sizes) if i not in streamed]
+    streamed_sizes = [sizes[i] for i in sorted(streamed)]
+    parts = [resident_weight_bytes(resident, itemsize)]
     if streamed:
-        largest_layer = max(layers)
-        depth = cfg.prefetch_blocks if cfg.offload_params == "nvme" else 1
-        dev["weights"] = (n - sum(layers)) * itemsize + (1 + depth) * largest_layer * itemsize
-        if cfg.offload_params == "cpu":
-            host["weights"] = sum(pin(b * itemsize) for b in layers)
-        else:
-            nvme["weights"] = sum(layers) * itemsize
-            # the write-behind ring of updated weights (pageable: it only goes to disk)
-            host["buffers"] = cfg.buffer_count * largest_layer * itemsize
-            if cuda:  # the streamer's pinned staging between disk and device
-                host["buffers"] += depth * pin(largest_layer * itemsize + ALIGN)
+        parts.append(TrainingStreamer.plan_bytes(
+            streamed_sizes, cfg.offload_params, itemsize, cuda=cuda, pin=pin, host_ahead=1,
+            nvme_ahead=cfg.prefetch_blocks))
+    if cfg.offload == "nvme":
+        parts.append(NvmeState.plan_bytes(sizes, cfg.buffer_count, cfg.sub_group_size))
     else:
-        dev["weights"] = n * itemsize
+        parts.append(ResidentState.plan_bytes(sizes, "device" if cfg.offload == "none" else "host"))
+    storage, pool = cfg.grad_landing(len(blocks))
+    parts.append(GradLanding.plan_bytes(
+        sizes, cfg.torch_dtype, cfg.grad_accum_steps, cuda=cuda,
+        landing_tier="device" if cfg.offload == "none" else "host", storage=storage,
+        pool_buffers=pool, pooled_blocks=set(layers) or None, pin=pin))
+    parts.append(BlockStepper.plan_bytes(
+        sizes, streamed_sizes if cfg.offload_params == "nvme" else [], itemsize, cuda=cuda,
+        offload=cfg.offload, buffer_count=cfg.buffer_count, pin=pin))
+    if cfg.step_path()[0] == "delayed":
+        parts.append(Delayed.plan_bytes(resident, itemsize))
     if activations is not None:
-        per_layer = activations.input if cfg.activation_checkpointing else activations.full
-        kept = 0 if cfg.offload_activations else per_layer * len(layers)
-        # with checkpointing, one block's full activations exist while it is recomputed
-        dev["activations"] = kept + activations.head + (
-            activations.full if cfg.activation_checkpointing else 0)
-        if cfg.offload_activations:
-            host["activations"] = pin(activations.input) * len(layers)
-    if cfg.offload == "none":
-        dev.update(grads=n * grad_item, masters=n * 4, moments=n * 8)
-        return plan
-    pool = grad_pool_buffers(cfg, len(blocks))
-    if pool:  # layers share `pool` buffers; the other blocks keep their own
-        pooled = layers or sizes
-        others = list(sizes)
-        for b in pooled:
-            others.remove(b)
-        host["grads"] = pool * pin(max(pooled) * itemsize) + sum(pin(b * itemsize) for b in others)
-    else:
-        host["grads"] = grad_bytes
-    if cfg.delayed_update:
-        # the delayed step reads one set of gradients and writes a second copy of the weights
-        # while the next backward lands its gradients and reads the weights in use
-        host["grads"] *= 2
-        dev["weights"] *= 2
-    if cuda:
-        # pinned staging the 16-bit weights are uploaded from (a ring of buffer_count blocks)
-        ring = max(2, min(cfg.buffer_count, len(blocks)))
-        host["buffers"] = host.get("buffers", 0) + ring * pin(largest * itemsize)
-        if cfg.grad_accum_steps > 1:  # 16-bit gradients staged before the fp32 host add
-            host["buffers"] += sum(pin(b * itemsize) for b in sizes)
-        # device gradients waiting for their copy to the host: bounded by back-pressure in
-        # the landing hook (offload/grads.py, D2H_BACKLOG_BLOCKS; desk review M5)
-        dev["grads"] = D2H_BACKLOG_BLOCKS * largest * itemsize
-    if cfg.offload == "cpu":
-        host.update(masters=n * 4, moments=n * 8)
-    else:
-        staged = min(largest, cfg.sub_group_size)  # sub-groups bound the staging sets
-        host["buffers"] = host.get("buffers", 0) + cfg.buffer_count * staged * 12
-        nvme.update(masters=n * 4, moments=n * 8)
+        parts.append(activation_bytes(activations, cfg, len(layers), pin))
+    plan = TrainingPlan(cfg, device, sum(sizes), max(sizes), len(blocks))
+    plan.bytes = {tier: {} for tier in TIERS}
+    for part in parts:
+        for (tier, kind), nbytes in part.items():
+            plan.bytes[tier][kind] = plan.bytes[tier].get(kind, 0) + nbytes
     return plan
+
+
+def activation_bytes(est: ActivationEstimate, cfg: OffloadConfig, num_layers: int,
+                     pin) -> PlanBytes:
+    """Estimated activations: every layer's (or, checkpointed, its input) on the device -- or
+    the inputs in host RAM with offload_activations -- plus, checkpointed, one layer's full
+    set while it is recomputed, and the head's logits."""
+    per_layer = est.input if cfg.activation_checkpointing else est.full
+    kept = 0 if cfg.offload_activations else per_layer * num_layers
+    out = {("device", "activations"): kept + est.head + (
+        est.full if cfg.activation_checkpointing else 0)}
+    if cfg.offload_activations:
+        out["host", "activations"] = pin(est.input) * num_layers
+    return out
 
 
 # The configurations `choose_training_config` tries, fastest first: each step moves the
@@ -233,7 +210,8 @@ def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
         last_error = why
     hint = ("" if base.nvme_dir else " (give an offload dir to let the planner use NVMe)")
     grads = ""
-    if grad_pool_buffers(base.replace(offload="nvme"), len(blocks)) == 0 and base.grad_accum_steps == 1:
+    if base.replace(offload="nvme").grad_landing(len(blocks))[0] != "pooled" \
+            and base.grad_accum_steps == 1:
         grads = ("; gradients are held for the whole model because " +
                  ("clipping needs the global norm" if base.grad_clip > 0 else "the fp16 overflow "
                   "check needs every gradient") + " before the step — without it (--grad-clip 0, "

@@ -28,15 +28,15 @@ has written the new weights (host buffer for the cpu tier, swap file for the nvm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from nvme.io import CHECKSUM
+from nvme.io import ALIGN, CHECKSUM
 from offload.blocks import Block
 from offload.stream import BlockStreamer, TensorRange
-from offload.tiers import MemoryAccount, host_empty
+from offload.tiers import MemoryAccount, PlanBytes, host_empty
 
 WEIGHTS = "weights16"  # swap-store kind of a block's 16-bit weights
 
@@ -108,6 +108,7 @@ class TrainingStreamer:
                 a.param = b.param
         slot_bytes = sum(s.raw.numel() for s in self.streamer.slots)
         account.add("device", "weights", slot_bytes)
+        account.add("host", "buffers", sum(s.raw.numel() for s in self.streamer.staging))
         fwd = list(range(n))
         self.streamer.set_schedule(fwd + fwd[::-1], cyclic=False)
         self._hooks: list = []
@@ -120,6 +121,24 @@ class TrainingStreamer:
             # pre-hook entered, and releases its block (out is None then)
             self._hooks.append(layer.register_forward_hook(
                 lambda m, args, out, li=li: self._after_forward(li, out), always_call=True))
+
+    @staticmethod
+    def plan_bytes(layer_numels: list[int], tier: str, itemsize: int, *, cuda: bool,
+                   pin: Callable[[int], int], host_ahead: int, nvme_ahead: int) -> PlanBytes:
+        """What the constructor allocates for layers of these sizes streamed from `tier`: the
+        device slots (one running + the blocks in flight), the weights' home, and on a GPU the
+        pinned staging between disk and device (on the CPU, with weights stored in the compute
+        dtype, reads go straight into the slot)."""
+        largest = max(layer_numels) * itemsize
+        depth = nvme_ahead if tier == "nvme" else host_ahead
+        out = {("device", "weights"): (1 + depth) * BlockStreamer.slot_raw_bytes(largest, cuda)}
+        if tier == "cpu":
+            out["host", "weights"] = sum(pin(n * itemsize) for n in layer_numels)
+        else:
+            out["nvme", "weights"] = sum(layer_numels) * itemsize
+            if cuda:
+                out["host", "buffers"] = nvme_ahead * pin(largest + ALIGN)
+        return out
 
     def _expected_crc32(self, li: int) -> int | None:
         """The CRC of layer li's latest weights file (the store records it at each write), when
