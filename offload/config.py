@@ -14,7 +14,7 @@ import re
 import stat
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Callable, Literal, Mapping, get_args
 
 import torch
 
@@ -59,6 +59,8 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 # where optimizer state (offload) or 16-bit weights (offload_params) live
 Placement = Literal["none", "cpu", "nvme"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
+StepPathName = Literal["after", "overlapped", "delayed"]  # how the step meets backward
+GradStorageName = Literal["per_block", "pooled", "double"]  # offload/grad_storage.py
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
                   "half": "fp16"}
 
@@ -68,6 +70,47 @@ def dtype_name(name: str) -> str:
     if key not in DTYPES:
         raise ConfigError(f"dtype: {name!r} is not supported; use one of {', '.join(DTYPES)}")
     return key
+
+
+@dataclass(frozen=True)
+class CombinationRule:
+    """A combination of options that cannot work. `message` names options as {field}, filled in
+    with the field names (the library) or the command-line flags (the runners)."""
+    broken: Callable[[Any], bool]  # takes anything with the options as attributes
+    message: str
+
+
+# Every rule about which options go together, in one place: OffloadConfig refuses these, the
+# runners check them first in their own spelling (`combination_error(options, spell)`), and
+# step_path() / grad_landing() below say what the legal combinations do.
+COMBINATION_RULES: tuple[CombinationRule, ...] = (
+    CombinationRule(lambda c: c.offload == "nvme" and not c.nvme_dir,
+                    "{offload}='nvme' needs {nvme_dir}: a directory on a fast local disk for the "
+                    "optimizer-state swap files"),
+    CombinationRule(lambda c: c.offload_params == "nvme" and not c.nvme_dir,
+                    "{offload_params}='nvme' needs {nvme_dir}: a directory on a fast local disk "
+                    "for the weights' swap files"),
+    CombinationRule(lambda c: c.offload_activations and not c.activation_checkpointing,
+                    "{offload_activations} offloads the checkpointed block inputs: add "
+                    "{activation_checkpointing}"),
+    CombinationRule(lambda c: c.delayed_update and c.offload == "none",
+                    "{delayed_update} overlaps the CPU optimizer step with the next forward and "
+                    "backward: it needs {offload}='cpu' or 'nvme'"),
+    CombinationRule(lambda c: c.delayed_update and c.offload_params != "none",
+                    "{delayed_update} needs the 16-bit weights resident on the device "
+                    "({offload_params}='none'): streamed weights would be read while the delayed "
+                    "step rewrites them"),
+)
+
+
+def combination_error(options: Any, spell: Callable[[str], str] = str) -> str | None:
+    """Why `options` (attributes named as OffloadConfig's fields) cannot work together, with
+    each option written as spell(field name); None when they can."""
+    names = {f.name: spell(f.name) for f in dataclasses.fields(OffloadConfig)}
+    for rule in COMBINATION_RULES:
+        if rule.broken(options):
+            return rule.message.format(**names)
+    return None
 
 
 @dataclass
@@ -143,19 +186,10 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if self.offload not in PLACEMENTS:
             raise ConfigError(f"offload: {self.offload!r} is not one of {', '.join(PLACEMENTS)}")
-        if self.offload == "nvme" and not self.nvme_dir:
-            raise ConfigError("offload='nvme' needs nvme_dir: a directory on a fast local disk "
-                              "for the optimizer-state swap files")
         self.dtype = dtype_name(self.dtype)
         if self.offload_params not in PLACEMENTS:
             raise ConfigError(f"offload_params: {self.offload_params!r} is not one of "
                               f"{', '.join(PLACEMENTS)}")
-        if self.offload_params == "nvme" and not self.nvme_dir:
-            raise ConfigError("offload_params='nvme' needs nvme_dir: a directory on a fast local "
-                              "disk for the weights' swap files")
-        if self.offload_activations and not self.activation_checkpointing:
-            raise ConfigError("offload_activations=True offloads the checkpointed block inputs: "
-                              "it needs activation_checkpointing=True")
         if not isinstance(self.prefetch_blocks, int) or isinstance(self.prefetch_blocks, bool) \
                 or self.prefetch_blocks < 1:
             raise ConfigError(f"prefetch_blocks: must be an integer >= 1, got {self.prefetch_blocks!r}")
@@ -178,13 +212,6 @@ class OffloadConfig:
                 isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
             raise ConfigError(f"betas: must be two numbers in [0, 1), got {self.betas!r}")
         self.betas = (float(betas[0]), float(betas[1]))
-        if self.delayed_update and self.offload == "none":
-            raise ConfigError("delayed_update overlaps the CPU optimizer step with the next "
-                              "forward and backward: it needs offload='cpu' or 'nvme'")
-        if self.delayed_update and self.offload_params != "none":
-            raise ConfigError("delayed_update needs the 16-bit weights resident on the device "
-                              "(offload_params='none'): streamed weights would be read while the "
-                              "delayed step rewrites them")
         for name, lo in (("grad_accum_steps", 1), ("buffer_count", 2), ("initial_scale_power", 0),
                          ("delayed_update_warmup", 0), ("max_nonfinite_skips", 1),
                          ("sub_group_size", 1 << 10),
@@ -219,9 +246,13 @@ class OffloadConfig:
                 raise ConfigError(f"{name}: must be a string (a path) or None, got {v!r}")
         for name in ("device_budget", "host_budget", "nvme_budget"):
             parse_bytes(getattr(self, name), name)
+        # each field is valid; now whether they go together (the one table of such rules)
+        why = combination_error(self)
+        if why is not None:
+            raise ConfigError(why)
 
     # -- derived values -------------------------------------------------------------------
-    def step_path(self) -> tuple[str, str]:
+    def step_path(self) -> tuple[StepPathName, str]:
         """How the optimizer step meets backward, and why: "overlapped" (each block steps as its
         gradients land, same math), "delayed" (the whole step runs during the next forward and
         backward, one step stale) or "after" (after backward). One answer for the engine, the
@@ -240,7 +271,7 @@ class OffloadConfig:
             return "after", "the fp16 overflow check needs every gradient first"
         return "overlapped", "no clipping and no overflow check: each block steps as its gradients land"
 
-    def grad_landing(self, num_blocks: int) -> tuple[str, int]:
+    def grad_landing(self, num_blocks: int) -> tuple[GradStorageName, int]:
         """Which gradient landing buffers a model of `num_blocks` blocks gets, and how many pool
         buffers (offload/grad_storage.py): "pooled" needs the overlapped step (each block
         consumed as soon as it lands), no accumulation (nothing kept between micro-batches) and

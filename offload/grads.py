@@ -35,11 +35,12 @@ them after wait(), which orders it after every landing (the transport's conditio
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
 from offload.blocks import Block, ParamSlot
+from offload.config import GradStorageName
 from offload.grad_storage import Double, PerBlock, Pooled
 from offload.grad_transport import Cuda, Inline
 from offload.tiers import LinkCounter, MemoryAccount, PlanBytes, no_pinning
@@ -68,8 +69,9 @@ def fp32_norm(flat: torch.Tensor) -> torch.Tensor:
 class GradLanding:
     def __init__(self, blocks: list[Block], grad_dtype: torch.dtype, accum_steps: int,
                  account: MemoryAccount, d2h: LinkCounter, *,
-                 source_device: torch.device = torch.device("cpu"), landing_tier: str = "host",
-                 pin: bool = False, storage: str = "per_block", pool_buffers: int = 0,
+                 source_device: torch.device = torch.device("cpu"),
+                 landing_tier: Literal["device", "host"] = "host", pin: bool = False,
+                 storage: GradStorageName = "per_block", pool_buffers: int = 0,
                  pooled_blocks: set[int] | None = None):
         """`landing_tier`: "device" keeps gradients where they are made (offload="none"), "host"
         moves them to host RAM; `storage` and `pool_buffers`: OffloadConfig.grad_landing()."""
@@ -110,8 +112,9 @@ class GradLanding:
 
     @staticmethod
     def plan_bytes(numels: list[int], grad_dtype: torch.dtype, accum_steps: int, *,
-                   cuda: bool, landing_tier: str, storage: str, pool_buffers: int,
-                   pooled_blocks: set[int] | None, pin: Callable[[int], int]) -> PlanBytes:
+                   cuda: bool, landing_tier: Literal["device", "host"], storage: GradStorageName,
+                   pool_buffers: int, pooled_blocks: set[int] | None,
+                   pin: Callable[[int], int]) -> PlanBytes:
         """What the constructor with these arguments allocates (`cuda`: gradients come from a
         GPU; `pin`: pinned_bytes when host buffers are pinned)."""
         itemsize = landing_dtype(grad_dtype, accum_steps).itemsize

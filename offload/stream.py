@@ -47,7 +47,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 import torch
 from torch import nn
@@ -59,7 +59,8 @@ from offload.gpu import on_stream, side_stream_delay
 from offload.slot_pool import LEGAL_MOVES, BlockState, Slot, SlotPool, Staging
 from offload.tiers import freeze_pin_cap, host_aligned, return_large_frees_to_os, started_worker
 
-RESIDENCIES = ("device", "cpu", "nvme")
+Residency = Literal["device", "cpu", "nvme"]  # where a block's 16-bit weights live between uses
+RESIDENCIES: tuple[str, ...] = get_args(Residency)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class BlockStreamer:
     every read of a block stored as one run (training's swap files: they change every update).
     """
 
-    def __init__(self, layers: nn.ModuleList, residency: Sequence[str], *,
+    def __init__(self, layers: nn.ModuleList, residency: Sequence[Residency], *,
                  device: torch.device | str, dtype: torch.dtype,
                  files: Sequence[Sequence[TensorRange] | None] | None = None,
                  host_ahead: int = 1, nvme_ahead: int = 2, io: IOEngine | None = None,

@@ -18,14 +18,17 @@ import weakref
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import psutil
 import torch
 
 from offload.config import format_bytes
 
-TIERS = ("device", "host", "nvme")
-KINDS = ("weights", "masters", "moments", "grads", "buffers", "activations", "kv_cache")
+Tier = Literal["device", "host", "nvme"]
+Kind = Literal["weights", "masters", "moments", "grads", "buffers", "activations", "kv_cache"]
+TIERS: tuple[str, ...] = get_args(Tier)
+KINDS: tuple[str, ...] = get_args(Kind)
 
 
 class BudgetError(RuntimeError):
@@ -243,7 +246,7 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 # What one component will allocate: (tier, kind) -> bytes. Each component's `plan_bytes()`
 # (beside its constructor) returns one; the training planner adds them up (train_plan.py), and
 # the component records the same numbers in the MemoryAccount as it allocates.
-PlanBytes = dict[tuple[str, str], int]
+PlanBytes = dict[tuple[Tier, Kind], int]
 
 
 def no_pinning(nbytes: int) -> int:

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -33,6 +34,10 @@ DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size
 TIME_KEYS = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s",
              "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s",
              "forward_gpu_s", "backward_gpu_s")  # the last two: CUDA only (None on the CPU)
+# OffloadConfig's switches as this runner's flags, for the library's option-combination
+# messages (options with values read the same either way: offload='cpu' is --offload cpu)
+FLAGS = {"activation_checkpointing": "--activation-checkpointing",
+         "offload_activations": "--offload-activations", "delayed_update": "--delayed-update"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,13 +133,6 @@ def check_args(args: argparse.Namespace) -> None:
         fail(f"--metrics {args.metrics}: its directory does not exist")
     if args.data is not None:
         _check_data_files(args.data)
-    if args.offload_dir is not None and args.offload not in (None, "nvme", "auto") \
-            and args.offload_params != "nvme":
-        fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme "
-             f"(got --offload {args.offload})")
-    if args.offload_activations and not args.activation_checkpointing:
-        fail("--offload-activations offloads the checkpointed block inputs: add "
-             "--activation-checkpointing")
     if args.delayed_update_warmup < 0:
         fail(f"--delayed-update-warmup must be >= 0, got {args.delayed_update_warmup}")
     if args.resume is not None and args.overwrite:
@@ -188,7 +186,7 @@ def _check_data_files(path: str) -> None:
 
 def engine_config(args: argparse.Namespace, device: torch.device):
     """The config file (if any) as the base, explicit flags over it, defaults under both."""
-    from offload.config import AutoValues, OffloadConfig, load_config_file
+    from offload.config import AutoValues, OffloadConfig, combination_error, load_config_file
 
     mb = args.micro_batch_size or args.batch_size
     # "auto": bf16 on a GPU -- fp32 there would run full-fp32 GEMMs (TF32 is off by default)
@@ -229,8 +227,13 @@ def engine_config(args: argparse.Namespace, device: torch.device):
     if auto or "nvme" in (base["offload"], base.get("offload_params")):
         base["nvme_dir"] = args.offload_dir or base.get("nvme_dir") or os.path.join(args.output, "swap")
     elif args.offload_dir:
-        fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme (the config "
-             f"says offload={base['offload']})")
+        fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme (got "
+             f"offload={base['offload']})")
+    # the library's rules about which options go together, spelt as this runner's flags
+    options = SimpleNamespace(**{**OffloadConfig().to_dict(), **base})
+    why = combination_error(options, spell=lambda field: FLAGS.get(field, field))
+    if why is not None:
+        fail(why)
     return OffloadConfig(**base)
 
 
