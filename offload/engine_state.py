@@ -86,6 +86,22 @@ def save_state(engine: "Engine", directory: str) -> None:
 
 def load_state(engine: "Engine", directory: str) -> None:
     """Restore what save_state wrote; refuses a state saved from a different model."""
+    meta, meta_path = _read_meta(directory)
+    if engine.delayed is not None:
+        engine.delayed.drop()  # everything below overwrites what the pending job produced
+    skips, pending = _check_meta(engine, meta, meta_path, directory)
+    for bi in range(len(engine.blocks)):
+        _load_block(engine, directory, bi, pending)
+    engine.counters.load_meta({**meta, "slot_skips": skips})
+    engine.lr = meta["lr"]
+    if pending and engine.delayed is not None:
+        engine.delayed.mark_pending()  # the next step() makes the masters' weights live
+    if isinstance(engine.state, NvmeState):
+        engine.state.end_step(engine.unit_order(), engine.global_step)
+
+
+def _read_meta(directory: str) -> tuple[dict, str]:
+    """engine_state.json of a saved state, and its path; StateError when missing or unreadable."""
     meta_path = os.path.join(directory, "engine_state.json")
     try:
         with open(meta_path) as f:
@@ -99,8 +115,13 @@ def load_state(engine: "Engine", directory: str) -> None:
                          f"resume from another checkpoint") from None
     if not isinstance(meta, dict) or meta.get("format") != "offload-engine-state":
         raise StateError(f"{meta_path}: not an offload engine state")
-    if engine.delayed is not None:
-        engine.delayed.drop()  # everything below overwrites what the pending job produced
+    return meta, meta_path
+
+
+def _check_meta(engine: "Engine", meta: dict, meta_path: str, directory: str
+                ) -> tuple[dict, bool]:
+    """Refuse a state from another model, dtype or configuration, or with damaged counters;
+    returns the validated slot_skips and whether a delayed update was pending."""
     if meta.get("layout") != layout(engine):
         raise StateError(f"{directory}: the saved state is for a different model (its "
                          f"parameter names or shapes differ from this model's); resume with "
@@ -137,33 +158,33 @@ def load_state(engine: "Engine", directory: str) -> None:
         raise StateError(f"{meta_path}: 'delayed_pending' must be true or false, got "
                          f"{pending!r}; the saved state is damaged — resume from another "
                          f"checkpoint")
-    for bi, block in enumerate(engine.blocks):
-        path = os.path.join(directory, f"block-{bi:05d}.safetensors")
-        try:
-            with SafetensorsFile(path) as f:
-                values = {k: f.read(k) for k in ("master", "exp_avg", "exp_avg_sq")}
-                live = f.read("live") if pending else None
-        except (FormatError, KeyError, OSError) as e:
-            raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
-        for kind, t in values.items():
-            if t.shape != (block.numel,) or t.dtype != torch.float32:
-                raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
-                                 f"expected ({block.numel},) float32")
-            engine.state.load(bi, kind, t)
-        if live is not None and (live.shape != (block.numel,) or live.dtype != engine.dtype):
-            raise StateError(f"{path}: live weights have shape {tuple(live.shape)} {live.dtype}, "
-                             f"expected ({block.numel},) {engine.dtype}")
-        if bi in engine.layer_of:  # 16-bit weights follow the masters, in their tier
-            engine.streaming.load_weights(engine.layer_of[bi], values["master"].to(engine.dtype))
-        elif live is not None and engine.delayed is not None:
-            # the saved run was computing with the weights from before its last update
-            engine.flat16[bi].copy_(live)
-            engine.delayed.shadow[bi].copy_(values["master"])
-        else:  # not delayed now: the pending update simply goes live
-            engine.flat16[bi].copy_(values["master"])
-    engine.counters.load_meta({**meta, "slot_skips": skips})
-    engine.lr = meta["lr"]
-    if pending and engine.delayed is not None:
-        engine.delayed.mark_pending()  # the next step() makes the masters' weights live
-    if isinstance(engine.state, NvmeState):
-        engine.state.end_step(engine.unit_order(), engine.global_step)
+    return skips, pending
+
+
+def _load_block(engine: "Engine", directory: str, bi: int, pending: bool) -> None:
+    """Block bi's masters and moments into the optimizer state, and its 16-bit weights (from
+    the masters, or the saved live weights of a pending delayed update) into their tier."""
+    block = engine.blocks[bi]
+    path = os.path.join(directory, f"block-{bi:05d}.safetensors")
+    try:
+        with SafetensorsFile(path) as f:
+            values = {k: f.read(k) for k in ("master", "exp_avg", "exp_avg_sq")}
+            live = f.read("live") if pending else None
+    except (FormatError, KeyError, OSError) as e:
+        raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
+    for kind, t in values.items():
+        if t.shape != (block.numel,) or t.dtype != torch.float32:
+            raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
+                             f"expected ({block.numel},) float32")
+        engine.state.load(bi, kind, t)
+    if live is not None and (live.shape != (block.numel,) or live.dtype != engine.dtype):
+        raise StateError(f"{path}: live weights have shape {tuple(live.shape)} {live.dtype}, "
+                         f"expected ({block.numel},) {engine.dtype}")
+    if bi in engine.layer_of:  # 16-bit weights follow the masters, in their tier
+        engine.streaming.load_weights(engine.layer_of[bi], values["master"].to(engine.dtype))
+    elif live is not None and engine.delayed is not None:
+        # the saved run was computing with the weights from before its last update
+        engine.flat16[bi].copy_(live)
+        engine.delayed.shadow[bi].copy_(values["master"])
+    else:  # not delayed now: the pending update simply goes live
+        engine.flat16[bi].copy_(values["master"])
