@@ -410,95 +410,139 @@ def from_deepspeed(ds: Mapping[str, Any], *, auto: AutoValues | None = None,
     """Map a DeepSpeed config dict (ZeRO-Offload / ZeRO-Infinity keys) onto OffloadConfig.
     auto: what "auto" values resolve to; notes: receives one line per inert key present."""
     auto = auto or AutoValues()
-    defaults = OffloadConfig.__dataclass_fields__
     ds = _take(ds, _DEEPSPEED_TOP_KEYS, "DeepSpeed config")
     if "scheduler" in ds:
         raise ConfigError("DeepSpeed config: 'scheduler' is not supported by the engine; "
                           "set the learning rate per step with engine.set_lr() (runners.finetune "
                           "has --lr with warmup + cosine)")
-    said: list[str] = []
-
-    def inert(section: str, d: Mapping[str, Any]) -> None:
-        for key, why in DEEPSPEED_INERT.get(section, {}).items():
-            if key in d:
-                name = f"{section}.{key}" if section else key
-                said.append(f"DeepSpeed config: {name} has no effect here: {why}")
-
-    def no_auto(value: Any, where: str) -> Any:
-        if value == "auto":
-            raise ConfigError(f"{where}: \"auto\" cannot be resolved here; give a value")
-        return value
-
+    said: list[str] = []  # one line per inert key present
+    _inert("", ds, said)
     out: dict[str, Any] = {"offload": "none"}  # DeepSpeed without offload_optimizer: state on the device
-    inert("", ds)
+    _deepspeed_zero(ds, out, said)
+    _deepspeed_aio(ds, out, said)
+    _deepspeed_precision(ds, auto, out, said)
+    if "gradient_clipping" in ds:
+        out["grad_clip"] = _resolve(ds["gradient_clipping"], auto.grad_clip, _default("grad_clip"))
+    _batch_sizes(ds, auto, out)
+    if "optimizer" in ds:
+        _deepspeed_optimizer(ds["optimizer"], auto, out, said)
+    out.update(overrides)
+    if notes is not None:
+        notes.extend(said)
+    else:  # a library caller gave no list: say it through warnings rather than not at all
+        for line in said:
+            warnings.warn(line, stacklevel=2)
+    return OffloadConfig(**out)
+
+
+def _default(field: str) -> Any:
+    return OffloadConfig.__dataclass_fields__[field].default
+
+
+def _inert(section: str, d: Mapping[str, Any], said: list[str]) -> None:
+    """A line in `said` for each key of `d` that has no effect in a single process."""
+    for key, why in DEEPSPEED_INERT.get(section, {}).items():
+        if key in d:
+            name = f"{section}.{key}" if section else key
+            said.append(f"DeepSpeed config: {name} has no effect here: {why}")
+
+
+def _no_auto(value: Any, where: str) -> Any:
+    if value == "auto":
+        raise ConfigError(f"{where}: \"auto\" cannot be resolved here; give a value")
+    return value
+
+
+def _deepspeed_zero(ds: Mapping[str, Any], out: dict[str, Any], said: list[str]) -> None:
+    """zero_optimization: the stage, where optimizer state and weights live, sub-groups."""
     zero = _take(ds.get("zero_optimization", {}), {
         "stage", "offload_optimizer", "offload_param", "sub_group_size"}
         | set(DEEPSPEED_INERT["zero_optimization"]), "zero_optimization")
-    inert("zero_optimization", zero)
-    stage = no_auto(zero.get("stage", 0), "zero_optimization.stage")
+    _inert("zero_optimization", zero, said)
+    stage = _no_auto(zero.get("stage", 0), "zero_optimization.stage")
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"zero_optimization.stage: {stage!r} is not one of 0, 1, 2, 3")
-    nvme_paths = []
-    opt_off = _take(zero.get("offload_optimizer", {}), {"device", "nvme_path", "pin_memory",
-                                                       "buffer_count", "ratio"}
-                    | set(DEEPSPEED_INERT["offload_optimizer"]), "zero_optimization.offload_optimizer")
-    inert("offload_optimizer", opt_off)
-    if opt_off:
-        device = no_auto(opt_off.get("device", "none"), "zero_optimization.offload_optimizer.device")
-        if device not in ("none", "cpu", "nvme"):
-            raise ConfigError(f"zero_optimization.offload_optimizer.device: {device!r} is not "
-                              f"one of none, cpu, nvme")
-        if device != "none" and stage < 1:
-            raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (DeepSpeed "
-                              "refuses it with stage 0); set zero_optimization.stage")
-        if opt_off.get("ratio", 1) not in (1, 1.0):
-            raise ConfigError("zero_optimization.offload_optimizer.ratio: partial optimizer offload "
-                              "is not supported; use 1 (all of the state) or device 'none'")
-        out["offload"] = device
-        if "nvme_path" in opt_off:
-            nvme_paths.append(no_auto(opt_off["nvme_path"], "offload_optimizer.nvme_path"))
-        if "pin_memory" in opt_off:
-            out["pin_memory"] = opt_off["pin_memory"]
-        if "buffer_count" in opt_off:
-            out["buffer_count"] = no_auto(opt_off["buffer_count"], "offload_optimizer.buffer_count")
-    par_off = _take(zero.get("offload_param", {}), {"device", "nvme_path", "pin_memory",
-                                                   "buffer_count"}
-                    | set(DEEPSPEED_INERT["offload_param"]), "zero_optimization.offload_param")
-    inert("offload_param", par_off)
-    if par_off:
-        device = no_auto(par_off.get("device", "none"), "zero_optimization.offload_param.device")
-        if device not in ("none", "cpu", "nvme"):
-            raise ConfigError(f"zero_optimization.offload_param.device: {device!r} is not one of "
-                              f"none, cpu, nvme")
-        if device != "none" and stage != 3:
-            raise ConfigError("zero_optimization.offload_param needs stage 3 (as in DeepSpeed); "
-                              "set zero_optimization.stage to 3")
-        out["offload_params"] = device
-        if "nvme_path" in par_off:
-            nvme_paths.append(no_auto(par_off["nvme_path"], "offload_param.nvme_path"))
-        if "pin_memory" in par_off:
-            if "pin_memory" in out and out["pin_memory"] != par_off["pin_memory"]:
-                raise ConfigError("offload_optimizer.pin_memory and offload_param.pin_memory differ; "
-                                  "host buffers are pinned or not as a whole: give one value")
-            out["pin_memory"] = par_off["pin_memory"]
-        if "buffer_count" in par_off:  # buffers = the running block + the ones read ahead
-            count = no_auto(par_off["buffer_count"], "offload_param.buffer_count")
-            if not isinstance(count, int) or isinstance(count, bool) or count < 2:
-                raise ConfigError(f"zero_optimization.offload_param.buffer_count: must be an integer "
-                                  f">= 2 (the block in use and one read ahead), got {count!r}")
-            out["prefetch_blocks"] = count - 1
+    nvme_paths = _offload_optimizer(zero, stage, out, said) + _offload_param(zero, stage, out, said)
     if len(set(map(str, nvme_paths))) > 1:
         raise ConfigError("offload_optimizer.nvme_path and offload_param.nvme_path differ; the "
                           "swap files share one directory: give one path")
     if nvme_paths:
         out["nvme_dir"] = nvme_paths[0]
     if "sub_group_size" in zero:
-        size = _resolve(zero["sub_group_size"], None, defaults["sub_group_size"].default)
+        size = _resolve(zero["sub_group_size"], None, _default("sub_group_size"))
         # published configs write 1e9: a whole float is an integer here
         out["sub_group_size"] = int(size) if isinstance(size, float) and size.is_integer() else size
+
+
+def _offload_device(section: Mapping[str, Any], name: str) -> str:
+    device = _no_auto(section.get("device", "none"), f"zero_optimization.{name}.device")
+    if device not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"zero_optimization.{name}.device: {device!r} is not one of none, cpu, nvme")
+    return device
+
+
+def _offload_optimizer(zero: Mapping[str, Any], stage: int, out: dict[str, Any],
+                       said: list[str]) -> list[Any]:
+    """zero_optimization.offload_optimizer -> offload, pin_memory, buffer_count; its nvme_path."""
+    opt_off = _take(zero.get("offload_optimizer", {}), {"device", "nvme_path", "pin_memory",
+                                                       "buffer_count", "ratio"}
+                    | set(DEEPSPEED_INERT["offload_optimizer"]), "zero_optimization.offload_optimizer")
+    _inert("offload_optimizer", opt_off, said)
+    if not opt_off:
+        return []
+    device = _offload_device(opt_off, "offload_optimizer")
+    if device != "none" and stage < 1:
+        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (DeepSpeed "
+                          "refuses it with stage 0); set zero_optimization.stage")
+    if opt_off.get("ratio", 1) not in (1, 1.0):
+        raise ConfigError("zero_optimization.offload_optimizer.ratio: partial optimizer offload "
+                          "is not supported; use 1 (all of the state) or device 'none'")
+    out["offload"] = device
+    paths = ([_no_auto(opt_off["nvme_path"], "offload_optimizer.nvme_path")]
+             if "nvme_path" in opt_off else [])
+    if "pin_memory" in opt_off:
+        out["pin_memory"] = opt_off["pin_memory"]
+    if "buffer_count" in opt_off:
+        out["buffer_count"] = _no_auto(opt_off["buffer_count"], "offload_optimizer.buffer_count")
+    return paths
+
+
+def _offload_param(zero: Mapping[str, Any], stage: int, out: dict[str, Any],
+                   said: list[str]) -> list[Any]:
+    """zero_optimization.offload_param -> offload_params, pin_memory, prefetch_blocks; its
+    nvme_path."""
+    par_off = _take(zero.get("offload_param", {}), {"device", "nvme_path", "pin_memory",
+                                                   "buffer_count"}
+                    | set(DEEPSPEED_INERT["offload_param"]), "zero_optimization.offload_param")
+    _inert("offload_param", par_off, said)
+    if not par_off:
+        return []
+    device = _offload_device(par_off, "offload_param")
+    if device != "none" and stage != 3:
+        raise ConfigError("zero_optimization.offload_param needs stage 3 (as in DeepSpeed); "
+                          "set zero_optimization.stage to 3")
+    out["offload_params"] = device
+    paths = ([_no_auto(par_off["nvme_path"], "offload_param.nvme_path")]
+             if "nvme_path" in par_off else [])
+    if "pin_memory" in par_off:
+        if "pin_memory" in out and out["pin_memory"] != par_off["pin_memory"]:
+            raise ConfigError("offload_optimizer.pin_memory and offload_param.pin_memory differ; "
+                              "host buffers are pinned or not as a whole: give one value")
+        out["pin_memory"] = par_off["pin_memory"]
+    if "buffer_count" in par_off:  # buffers = the running block + the ones read ahead
+        count = _no_auto(par_off["buffer_count"], "offload_param.buffer_count")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 2:
+            raise ConfigError(f"zero_optimization.offload_param.buffer_count: must be an integer "
+                              f">= 2 (the block in use and one read ahead), got {count!r}")
+        out["prefetch_blocks"] = count - 1
+    return paths
+
+
+def _deepspeed_aio(ds: Mapping[str, Any], out: dict[str, Any], said: list[str]) -> None:
+    """aio: the IO engine's block size, queue depth and threads."""
     aio = _take(ds.get("aio", {}), {"block_size", "queue_depth", "thread_count", "use_gds"}
                 | set(DEEPSPEED_INERT["aio"]), "aio")
-    inert("aio", aio)
+    _inert("aio", aio, said)
     if aio.get("use_gds"):
         raise ConfigError("aio.use_gds: GPUDirect Storage is not supported; reads go through "
                           "pinned host buffers")
@@ -506,10 +550,15 @@ def from_deepspeed(ds: Mapping[str, Any], *, auto: AutoValues | None = None,
                      ("thread_count", "io_threads")):
         if src in aio:
             out[dst] = _resolve(aio[src], None, None)
+
+
+def _deepspeed_precision(ds: Mapping[str, Any], auto: AutoValues, out: dict[str, Any],
+                         said: list[str]) -> None:
+    """fp16 / bf16: the dtype and the fp16 loss-scaling settings."""
     fp16 = _take(ds.get("fp16", {}), {"enabled", "loss_scale", "initial_scale_power",
                                       "loss_scale_window", "hysteresis", "min_loss_scale"}
                  | set(DEEPSPEED_INERT["fp16"]), "fp16")
-    inert("fp16", fp16)
+    _inert("fp16", fp16, said)
     bf16 = _take(ds.get("bf16", {}), {"enabled"}, "bf16")
     enabled = {}
     for where, section in (("fp16", fp16), ("bf16", bf16)):
@@ -525,35 +574,28 @@ def from_deepspeed(ds: Mapping[str, Any], *, auto: AutoValues | None = None,
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "min_loss_scale"):
         if key in fp16:
-            out[key] = _resolve(fp16[key], None, defaults[key].default)
-    if "gradient_clipping" in ds:
-        out["grad_clip"] = _resolve(ds["gradient_clipping"], auto.grad_clip, defaults["grad_clip"].default)
-    _batch_sizes(ds, auto, out)
-    if "optimizer" in ds:
-        opt = _take(ds["optimizer"], {"type", "params"}, "optimizer")
-        kind = str(opt.get("type", "AdamW")).lower()
-        if kind not in ("adam", "adamw", "cpuadam", "fusedadam"):
-            raise ConfigError(f"optimizer.type: {opt.get('type')!r} is not supported; the engine "
-                              f"runs AdamW (types Adam/AdamW accepted)")
-        params = _take(opt.get("params", {}), {"lr", "betas", "eps", "weight_decay",
-                                               "adam_w_mode", "bias_correction"}
-                       | set(DEEPSPEED_INERT["optimizer.params"]), "optimizer.params")
-        inert("optimizer.params", params)
-        if params.get("adam_w_mode") is False or params.get("bias_correction") is False:
-            raise ConfigError("optimizer.params: only AdamW with bias correction is supported "
-                              "(adam_w_mode=true, bias_correction=true)")
-        for key, given in (("lr", auto.lr), ("betas", None), ("eps", None),
-                           ("weight_decay", auto.weight_decay)):
-            if key in params:
-                default = defaults[key].default
-                out[key] = _resolve(params[key], given, default)
-    out.update(overrides)
-    if notes is not None:
-        notes.extend(said)
-    else:  # a library caller gave no list: say it through warnings rather than not at all
-        for line in said:
-            warnings.warn(line, stacklevel=2)
-    return OffloadConfig(**out)
+            out[key] = _resolve(fp16[key], None, _default(key))
+
+
+def _deepspeed_optimizer(optimizer: Any, auto: AutoValues, out: dict[str, Any],
+                         said: list[str]) -> None:
+    """optimizer: AdamW only (Adam / CPUAdam / FusedAdam spellings), its lr, betas, eps, decay."""
+    opt = _take(optimizer, {"type", "params"}, "optimizer")
+    kind = str(opt.get("type", "AdamW")).lower()
+    if kind not in ("adam", "adamw", "cpuadam", "fusedadam"):
+        raise ConfigError(f"optimizer.type: {opt.get('type')!r} is not supported; the engine "
+                          f"runs AdamW (types Adam/AdamW accepted)")
+    params = _take(opt.get("params", {}), {"lr", "betas", "eps", "weight_decay",
+                                           "adam_w_mode", "bias_correction"}
+                   | set(DEEPSPEED_INERT["optimizer.params"]), "optimizer.params")
+    _inert("optimizer.params", params, said)
+    if params.get("adam_w_mode") is False or params.get("bias_correction") is False:
+        raise ConfigError("optimizer.params: only AdamW with bias correction is supported "
+                          "(adam_w_mode=true, bias_correction=true)")
+    for key, given in (("lr", auto.lr), ("betas", None), ("eps", None),
+                       ("weight_decay", auto.weight_decay)):
+        if key in params:
+            out[key] = _resolve(params[key], given, _default(key))
 
 
 def _batch_sizes(ds: Mapping[str, Any], auto: AutoValues, out: dict[str, Any]) -> None:
