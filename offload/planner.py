@@ -35,6 +35,7 @@ import torch
 from nvme.io import ALIGN, IOEngine, aligned_empty
 from offload.config import format_bytes
 from offload.gpu import on_stream
+from offload.stream import BlockStreamer
 from offload.tiers import BudgetError, host_aligned, pinned_bytes
 
 MODES = ("latency", "throughput")
@@ -149,6 +150,62 @@ class InferencePlan:
         return "\n".join(lines)
 
 
+@dataclass
+class _Sizes:
+    """What a placement needs, per tier, for one model on one machine (plan_inference's
+    arithmetic, shared by the placement search and the final check)."""
+    block_bytes: list[int]
+    stored_block_bytes: list[int]
+    non_block_bytes: int
+    kv_bytes_per_seq: int
+    workspace_per_seq: int
+    device_is_host: bool
+    depth: dict[str, int]  # tier -> blocks in flight ahead of the running one
+    staging_needed: bool
+
+    def __post_init__(self) -> None:
+        # Host buffers of a GPU run are pinned, and pinned memory is handed out in powers of
+        # two (offload/tiers.py, pinned_bytes): plan what they really take (desk review H4).
+        self.host_size = (lambda b: b) if self.device_is_host else pinned_bytes
+        self.host_block_bytes = [self.host_size(b) for b in self.block_bytes]
+
+    def fixed(self, batch: int) -> int:
+        return (self.non_block_bytes + batch * (self.kv_bytes_per_seq + self.workspace_per_seq)
+                + WORKSPACE_FIXED_BYTES)
+
+    def slots_for(self, res: list[str]) -> tuple[int, int]:
+        """(slot count, their bytes): the streamer's own sizing (BlockStreamer.slot_raw_bytes)."""
+        zero_copy = self.device_is_host  # host-tier blocks are used in place on a CPU device
+        streamed = [i for i, r in enumerate(res) if r == "nvme" or (r == "cpu" and not zero_copy)]
+        if not streamed:
+            return 0, 0
+        count = 1 + max(self.depth[res[i]] for i in streamed)
+        largest = max(self.block_bytes[i] for i in streamed)
+        return count, count * BlockStreamer.slot_raw_bytes(largest, cuda=not self.device_is_host)
+
+    def staging_for(self, res: list[str]) -> int:
+        if "nvme" not in res or not self.staging_needed:
+            return 0
+        return self.depth["nvme"] * self.host_size(
+            max(self.stored_block_bytes[i] for i, r in enumerate(res) if r == "nvme") + ALIGN)
+
+    def needs(self, res: list[str], batch: int) -> tuple[int, int, int, int]:
+        """(device bytes, host bytes, slot count, slot bytes) of placement `res` at `batch`."""
+        count, slot_b = self.slots_for(res)
+        dev = self.fixed(batch) + slot_b + sum(
+            b for b, r in zip(self.block_bytes, res) if r == "device")
+        host = self.staging_for(res) + sum(
+            b for b, r in zip(self.host_block_bytes, res) if r == "cpu")
+        if self.device_is_host:
+            dev, host = dev + host, dev + host
+        return dev, host, count, slot_b
+
+    def max_batch_for(self, res: list[str], device_budget: int) -> int:
+        dev, _, _, _ = self.needs(res, 0)
+        per_seq = self.kv_bytes_per_seq + self.workspace_per_seq
+        return max(0, (device_budget - dev) // per_seq) if per_seq else 0
+
+
 def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non_block_bytes: int,
                    batch_size: int, context: int, kv_bytes_per_seq: int, workspace_per_seq: int,
                    device_budget: int, host_budget: int, device_is_host: bool,
@@ -162,90 +219,29 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
     if force is not None and force not in FORCED:
         raise ValueError(f"force must be one of {FORCED}")
     n = len(block_bytes)
-    biggest = max(block_bytes)
-    depth = {"cpu": host_ahead, "nvme": nvme_ahead}
-    zero_copy = device_is_host
     fill_mode = mode
     if device_is_host:  # one pool: the smaller budget governs, and both modes fill it alike
         device_budget = host_budget = min(device_budget, host_budget)
         device_budget_flag = host_budget_flag
         fill_mode = "latency"
-
-    def fixed(batch: int) -> int:
-        return non_block_bytes + batch * (kv_bytes_per_seq + workspace_per_seq) + WORKSPACE_FIXED_BYTES
-
-    def slots_for(res: list[str]) -> tuple[int, int]:
-        streamed = [i for i, r in enumerate(res) if r == "nvme" or (r == "cpu" and not zero_copy)]
-        if not streamed:
-            return 0, 0
-        count = 1 + max(depth[res[i]] for i in streamed)
-        return count, count * (max(block_bytes[i] for i in streamed) + (ALIGN if device_is_host else 0))
-
-    # Host buffers of a GPU run are pinned, and pinned memory is handed out in powers of two
-    # (offload/tiers.py, pinned_bytes): plan what they really take (desk review H4).
-    host_size = (lambda b: b) if device_is_host else pinned_bytes
-    host_block_bytes = [host_size(b) for b in block_bytes]
-
-    def staging_for(res: list[str]) -> int:
-        if "nvme" not in res or not staging_needed:
-            return 0
-        return nvme_ahead * host_size(
-            max(stored_block_bytes[i] for i, r in enumerate(res) if r == "nvme") + ALIGN)
-
-    def needs(res: list[str], batch: int) -> tuple[int, int, int, int]:
-        count, slot_b = slots_for(res)
-        stage = staging_for(res)
-        dev = fixed(batch) + slot_b + sum(b for b, r in zip(block_bytes, res) if r == "device")
-        host = stage + sum(b for b, r in zip(host_block_bytes, res) if r == "cpu")
-        if device_is_host:
-            dev, host = dev + host, dev + host
-        return dev, host, count, slot_b
-
-    def max_batch_for(res: list[str]) -> int:
-        dev, _, _, _ = needs(res, 0)
-        per_seq = kv_bytes_per_seq + workspace_per_seq
-        return max(0, (device_budget - dev) // per_seq) if per_seq else 0
-
-    # ---- place ---------------------------------------------------------------------------------
-    if force is not None:
-        res = [force] * n
-    else:
-        # Reserve streaming room (slots, staging) unless everything ends up resident.
-        all_dev = ["device"] * n
-        if fill_mode == "latency" and needs(all_dev, batch_size)[0] <= device_budget:
-            res = all_dev
-        else:
-            streaming = ["nvme"] * n
-            dev_room = device_budget - needs(streaming, batch_size)[0]
-            k_dev = 0
-            if fill_mode == "latency":
-                while k_dev < n and sum(sorted(block_bytes)[:k_dev + 1]) <= dev_room:
-                    k_dev += 1
-            res = ["nvme"] * n
-            dev_idx = spread(k_dev, n)
-            for i in dev_idx:
-                res[i] = "device"
-            if not device_is_host:
-                rest = [i for i in range(n) if res[i] != "device"]
-                rest_bytes = [host_block_bytes[i] for i in rest]
-                if sum(rest_bytes) <= host_budget:
-                    k_host = len(rest)  # nothing left for NVMe: no staging to reserve
-                else:
-                    host_room = host_budget - staging_for(["nvme"])
-                    k_host = 0
-                    while k_host < len(rest) and sum(sorted(rest_bytes)[:k_host + 1]) <= host_room:
-                        k_host += 1
-                for j in spread(k_host, len(rest)):
-                    res[rest[j]] = "cpu"
-
-    dev_need, host_need, slot_count, slot_b = needs(res, batch_size)
+    sizes = _Sizes(list(block_bytes), list(stored_block_bytes), non_block_bytes, kv_bytes_per_seq,
+                   workspace_per_seq, device_is_host, {"cpu": host_ahead, "nvme": nvme_ahead},
+                   staging_needed)
+    res = ([force] * n if force is not None else
+           _place(sizes, batch_size, device_budget, host_budget, fill_mode))
+    dev_need, host_need, slot_count, slot_b = sizes.needs(res, batch_size)
     plan = InferencePlan(residency=res, mode=mode, batch_size=batch_size, context=context,
                          block_bytes=list(block_bytes), stored_block_bytes=list(stored_block_bytes),
                          non_block_bytes=non_block_bytes, kv_bytes=batch_size * kv_bytes_per_seq,
                          workspace_bytes=batch_size * workspace_per_seq + WORKSPACE_FIXED_BYTES,
-                         slot_count=slot_count, slot_bytes=slot_b, staging_bytes=staging_for(res),
+                         slot_count=slot_count, slot_bytes=slot_b, staging_bytes=sizes.staging_for(res),
                          device_need=dev_need, host_need=host_need, device_budget=device_budget,
-                         host_budget=host_budget, device_is_host=device_is_host, zero_copy_host=zero_copy)
+                         host_budget=host_budget, device_is_host=device_is_host,
+                         zero_copy_host=device_is_host)
+
+    def max_batch_for(placement: list[str]) -> int:
+        return sizes.max_batch_for(placement, device_budget)
+
     if mode == "throughput":
         plan.max_batch = max_batch_for(res)
     if device_is_host and force == "cpu":
@@ -256,10 +252,44 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
     # The leanest way to run on the device: every block streamed, from host RAM when it all fits
     # there (fewer slots), else from NVMe.
     leanest = ["nvme"] * n
-    if not device_is_host and sum(host_block_bytes) <= host_budget:
+    if not device_is_host and sum(sizes.host_block_bytes) <= host_budget:
         leanest = ["cpu"] * n
-    _check(plan, force, device_budget_flag, host_budget_flag, biggest, leanest, max_batch_for, needs)
+    _check(plan, force, device_budget_flag, host_budget_flag, max(block_bytes), leanest,
+           max_batch_for, sizes.needs)
     return plan
+
+
+def _place(sizes: _Sizes, batch_size: int, device_budget: int, host_budget: int,
+           fill_mode: str) -> list[str]:
+    """Residency per block: all on the device when it fits (latency), else the smallest blocks
+    that fit on the device (latency mode only), spread over the depth, then as many of the rest
+    in host RAM as fit, the others on NVMe. Streaming room (slots, staging) is reserved unless
+    everything ends up resident."""
+    block_bytes, n = sizes.block_bytes, len(sizes.block_bytes)
+    all_dev = ["device"] * n
+    if fill_mode == "latency" and sizes.needs(all_dev, batch_size)[0] <= device_budget:
+        return all_dev
+    dev_room = device_budget - sizes.needs(["nvme"] * n, batch_size)[0]
+    k_dev = 0
+    if fill_mode == "latency":
+        while k_dev < n and sum(sorted(block_bytes)[:k_dev + 1]) <= dev_room:
+            k_dev += 1
+    res = ["nvme"] * n
+    for i in spread(k_dev, n):
+        res[i] = "device"
+    if not sizes.device_is_host:
+        rest = [i for i in range(n) if res[i] != "device"]
+        rest_bytes = [sizes.host_block_bytes[i] for i in rest]
+        if sum(rest_bytes) <= host_budget:
+            k_host = len(rest)  # nothing left for NVMe: no staging to reserve
+        else:
+            host_room = host_budget - sizes.staging_for(["nvme"])
+            k_host = 0
+            while k_host < len(rest) and sum(sorted(rest_bytes)[:k_host + 1]) <= host_room:
+                k_host += 1
+        for j in spread(k_host, len(rest)):
+            res[rest[j]] = "cpu"
+    return res
 
 
 def _check(plan: InferencePlan, force: str | None, dev_flag: str, host_flag: str, biggest: int,

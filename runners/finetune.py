@@ -25,6 +25,7 @@ import torch
 from offload.config import format_bytes
 from runners.common import (Parser, dtype_label, fail, note_unused_tensors, run_main, select_device,
                             select_dtype, writable_dir)
+from runners.report import finite_or_null, truncate_metrics
 from runners.rundir import RunDirectory, check_resume, check_run_paths, trajectory
 
 DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size=16,
@@ -186,7 +187,8 @@ def _check_data_files(path: str) -> None:
 
 def engine_config(args: argparse.Namespace, device: torch.device):
     """The config file (if any) as the base, explicit flags over it, defaults under both."""
-    from offload.config import AutoValues, OffloadConfig, combination_error, load_config_file
+    from offload.config import OffloadConfig, combination_error
+    from offload.config_import import AutoValues, load_config_file
 
     mb = args.micro_batch_size or args.batch_size
     # "auto": bf16 on a GPU -- fp32 there would run full-fp32 GEMMs (TF32 is off by default)
@@ -415,11 +417,9 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
 def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, micro, device, cfg,
            stop, trainer, resume_dir, history, metrics_path, now) -> int:
     from offload.checkpoint import rng_state, save_checkpoint
-    from offload.data import masked_lm_loss
-    from runners.report import summary_table, write_loss_plot
 
     if resume_dir:  # rows past the checkpoint belong to updates that are about to be redone
-        _truncate_metrics(metrics_path, engine.global_step)
+        truncate_metrics(metrics_path, engine.global_step)
     metrics = open(metrics_path, "a" if resume_dir else "w")
     export_dtype = cfg.torch_dtype
     totals: dict[str, float] = {}
@@ -442,34 +442,9 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
     start_step = engine.global_step
     while engine.global_step < args.steps and stop.signal is None and (
             args.stop_after is None or engine.global_step - start_step < args.stop_after):
-        step = engine.global_step
-        engine.set_lr(lr_at(step, cfg.lr, args.warmup_steps, args.steps, args.min_lr_ratio))
-        t0 = time.perf_counter()
-        batch = order.take(args.batch_size)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        for i in range(0, args.batch_size, micro):
-            rows = data.batch(batch[i:i + micro]).to(device)
-            logits = model(rows.ids[:, :-1], **rows.model_inputs())
-            loss = masked_lm_loss(logits, rows.ids[:, 1:], rows.mask)
-            engine.backward(loss)
-            engine.step()
-            # summed on the device, read once per update: .item() per micro-batch would make
-            # the host wait for each backward before queueing the next forward (review L6)
-            loss_sum += loss.detach().float()
-        loss_sum = float(loss_sum)
-        dt = time.perf_counter() - t0
-        rep = engine.last_report
-        tokens = args.batch_size * args.seq_len
-        tokens_run += tokens
-        for k in TIME_KEYS:
-            totals[k] = totals.get(k, 0.0) + (getattr(rep, k) or 0.0)
-        for k, v in rep.bytes.items():
-            totals["bytes_" + k] = totals.get("bytes_" + k, 0) + v
-        totals["step_s"] = totals.get("step_s", 0.0) + dt
-        row = {"step": engine.global_step, "loss": loss_sum * micro / args.batch_size,
-               "lr": engine.lr, "tokens_per_s": tokens / dt, "step_s": dt, "applied": rep.applied,
-               "loss_scale": rep.loss_scale, "grad_norm": rep.grad_norm,
-               "time": {k: getattr(rep, k) for k in TIME_KEYS}}
+        loss_sum, dt = _one_update(args, engine, model, data, order, micro, device, cfg)
+        tokens_run += args.batch_size * args.seq_len
+        row = _update_row(args, engine, loss_sum, dt, micro, totals)
         if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
             with engine.latest_weights():  # a pending delayed update's, trajectory unchanged
                 row["eval_loss"] = evaluate(model, data, micro, device)
@@ -500,6 +475,53 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
               f"{engine.global_step} of {args.steps}; resumable checkpoint: {path}  (continue with "
               f"--resume {args.output})")
         return 0
+    return _finish(args, engine, cfg, model_cfg, tokenizer, history, totals, wall, tokens_run,
+                   eval_loss0, path, metrics_path, export_dtype)
+
+
+def _one_update(args, engine, model, data, order, micro: int, device, cfg) -> tuple[float, float]:
+    """One optimizer update over batch_size sequences in micro-batches: (summed micro-batch
+    losses, seconds)."""
+    from offload.data import masked_lm_loss
+
+    engine.set_lr(lr_at(engine.global_step, cfg.lr, args.warmup_steps, args.steps,
+                        args.min_lr_ratio))
+    t0 = time.perf_counter()
+    batch = order.take(args.batch_size)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for i in range(0, args.batch_size, micro):
+        rows = data.batch(batch[i:i + micro]).to(device)
+        logits = model(rows.ids[:, :-1], **rows.model_inputs())
+        loss = masked_lm_loss(logits, rows.ids[:, 1:], rows.mask)
+        engine.backward(loss)
+        engine.step()
+        # summed on the device, read once per update: .item() per micro-batch would make
+        # the host wait for each backward before queueing the next forward (review L6)
+        loss_sum += loss.detach().float()
+    return float(loss_sum), time.perf_counter() - t0
+
+
+def _update_row(args, engine, loss_sum: float, dt: float, micro: int,
+                totals: dict[str, float]) -> dict[str, Any]:
+    """The metrics row of the update just applied; its time split and bytes added to totals."""
+    rep = engine.last_report
+    for k in TIME_KEYS:
+        totals[k] = totals.get(k, 0.0) + (getattr(rep, k) or 0.0)
+    for k, v in rep.bytes.items():
+        totals["bytes_" + k] = totals.get("bytes_" + k, 0) + v
+    totals["step_s"] = totals.get("step_s", 0.0) + dt
+    return {"step": engine.global_step, "loss": loss_sum * micro / args.batch_size,
+            "lr": engine.lr, "tokens_per_s": args.batch_size * args.seq_len / dt, "step_s": dt,
+            "applied": rep.applied, "loss_scale": rep.loss_scale, "grad_norm": rep.grad_norm,
+            "time": {k: getattr(rep, k) for k in TIME_KEYS}}
+
+
+def _finish(args, engine, cfg, model_cfg, tokenizer, history, totals, wall: float,
+            tokens_run: int, eval_loss0, path: str, metrics_path: str, export_dtype) -> int:
+    """A completed run: export the model and check it reads back, print the summary and the
+    loss curve, close the engine and remove the swap files."""
+    from runners.report import summary_table, write_loss_plot
+
     final_model = os.path.join(args.output, "model")
     from offload.models import save_pretrained
     save_pretrained(engine.iter_master_params(), final_model, config=model_cfg, dtype=export_dtype,
@@ -538,37 +560,6 @@ def verify_export(path: str, model_cfg, with_tokenizer: bool) -> None:
     except Exception as e:  # noqa: BLE001 - any failure to read it back is the finding
         fail(f"the exported model in {path} cannot be read back ({str(e)[:200]}); the training "
              f"checkpoint is complete: export again from it")
-
-
-def finite_or_null(value):
-    """`value` with every inf/nan float replaced by None (JSON has no such numbers)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
-    return value
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-    """Keep only the metrics rows of updates up to `step` (atomically rewritten)."""
-    try:  # a damaged byte spoils its line only (kept with U+FFFD, or dropped as torn)
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.readlines()
-    except FileNotFoundError:
-        return
-    keep = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a line torn by a crash
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
 
 
 def _progress(args: argparse.Namespace, start: int):

@@ -240,17 +240,54 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget, cpu_budget,
          sampling) -> int:
+    plan = _plan(args, cfg, reader, len(batches[0]), context, device, dtype, gpu_budget, cpu_budget)
+    links, measured = _probe_links(args, cfg, reader, plan, device)
+    block = num_block_params(cfg) * dtype.itemsize
+    print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params, "
+          f"{cfg.num_hidden_layers} blocks of {format_bytes(block)} in {dtype_label(dtype)}) on "
+          f"{device}", file=sys.stderr)
+    print(plan.describe(links if measured else None), file=sys.stderr)
+    if not measured:
+        print("  floor:  unknown (disk bandwidth not measured: no checkpoint files to read yet)",
+              file=sys.stderr)
+    if args.dry_run:
+        if args.output_json:
+            _write_json(args.output_json, {"plan": _plan_json(plan)})
+        return 0
+    with tqdm(total=cfg.num_hidden_layers, desc="loading blocks", unit="block",
+              file=sys.stderr) as bar:
+        model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
+                                        nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1))
+    stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
+    try:
+        if args.interactive:
+            return _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop)
+        all_ids, texts, results = _generate_batches(args, model, tokenizer, streamer, batches,
+                                                    sampling, stop, device, dtype)
+    finally:
+        streamer.close()
+    metrics = _metrics(results, plan, links, device, len(batches[0]))
+    _report(metrics)
+    if args.output_json:
+        out = {"generated_ids": all_ids, "metrics": metrics, "plan": _plan_json(plan)}
+        if tokenizer is not None:
+            out["text"] = texts
+        _write_json(args.output_json, out)
+    return 0
+
+
+def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget, cpu_budget):
+    """The placement for this model, batch and context under the budgets (and what is free)."""
     L, item = cfg.num_hidden_layers, dtype.itemsize
     block = num_block_params(cfg) * item
     stored = ([sum(loc.nbytes for loc in reader.block_locations(i)) for i in range(L)] if reader
               else [block] * L)
     stored_dtype = reader.block_locations(0)[0].dtype if reader else dtype
-    batch = len(batches[0])
     host_free = host_free_bytes()
     host_budget = min(cpu_budget, host_free) if cpu_budget else host_free
     dev_free = device_free_bytes(device)
     dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
-    plan = plan_inference(
+    return plan_inference(
         block_bytes=[block] * L, stored_block_bytes=stored,
         non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item,
         batch_size=batch, context=context,
@@ -261,70 +298,51 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         device_is_host=device.type != "cuda", mode=args.mode,
         force=None if args.weights == "auto" else args.weights, nvme_ahead=args.nvme_ahead,
         staging_needed=device.type == "cuda" or stored_dtype != dtype)
+
+
+def _probe_links(args, cfg, reader, plan, device) -> tuple[Links, bool]:
+    """The links' bandwidths, the disk probed on the bytes that will stream (NVMe-resident
+    blocks) when there are any; and whether the disk could be measured."""
     shards = sorted({loc.path for loc in reader.locations.values()}) if reader else []
-    # the disk is probed on the bytes that will stream (NVMe-resident blocks), when there are any
-    streamed = [(loc.path, loc.offset, loc.nbytes) for i in range(L) if plan.residency[i] == "nvme"
-                for loc in reader.block_locations(i)] if reader else []
+    streamed = [(loc.path, loc.offset, loc.nbytes) for i in range(cfg.num_hidden_layers)
+                if plan.residency[i] == "nvme" for loc in reader.block_locations(i)] if reader else []
     links = measure_links(device, shards, seconds=args.probe_seconds, read_ranges=streamed or None)
     measured = links.disk_gbps > 0
     if not measured:  # nothing to probe yet (a dry run before a preset's weights exist)
         links = Links(links.h2d_gbps, float("nan"), links.disk_direct)
-    print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params, {L} blocks "
-          f"of {format_bytes(block)} in {dtype_label(dtype)}) on {device}", file=sys.stderr)
-    print(plan.describe(links if measured else None), file=sys.stderr)
-    if not measured:
-        print("  floor:  unknown (disk bandwidth not measured: no checkpoint files to read yet)",
-              file=sys.stderr)
-    if args.dry_run:
-        if args.output_json:
-            _write_json(args.output_json, {"plan": _plan_json(plan)})
-        return 0
-    with tqdm(total=L, desc="loading blocks", unit="block", file=sys.stderr) as bar:
-        model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
-                                        nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1))
-    stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
-    if args.interactive:
-        try:
-            return _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop)
-        finally:
-            streamer.close()
+    return links, measured
+
+
+def _generate_batches(args, model, tokenizer, streamer, batches, sampling, stop, device, dtype):
+    """Generate for each batch of prompts, streaming a single prompt's tokens to stdout and
+    printing a batch's rows when done: (all token ids, texts, GenerationResults)."""
     all_ids, texts, results = [], [], []
-    try:
-        for rows in batches:
-            decoders = [StreamDecoder(tokenizer) for _ in rows] if tokenizer else None
-            single = len(rows) == 1
+    for rows in batches:
+        decoders = [StreamDecoder(tokenizer) for _ in rows] if tokenizer else None
+        single = len(rows) == 1
 
-            def on_tokens(step, ids, decoders=decoders, single=single):
-                if not single or ids[0] is None:
-                    return
-                piece = decoders[0].push(ids[0]) if decoders else f"{ids[0]} "
-                print(piece, end="", flush=True)
+        def on_tokens(step, ids, decoders=decoders, single=single):
+            if not single or ids[0] is None:
+                return
+            piece = decoders[0].push(ids[0]) if decoders else f"{ids[0]} "
+            print(piece, end="", flush=True)
 
-            res = generate(model, rows, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                           stop_ids=stop, device=device, dtype=dtype, streamer=streamer,
-                           on_tokens=on_tokens)
-            results.append(res)
-            all_ids += res.tokens
-            if decoders:
-                if single:
-                    print(decoders[0].flush(), end="")
-                texts += [tokenizer.decode(t) for t in res.tokens]
+        res = generate(model, rows, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                       stop_ids=stop, device=device, dtype=dtype, streamer=streamer,
+                       on_tokens=on_tokens)
+        results.append(res)
+        all_ids += res.tokens
+        if decoders:
             if single:
-                print()
-            else:
-                for r, toks in enumerate(res.tokens):
-                    print(f"[{len(all_ids) - len(res.tokens) + r}] "
-                          f"{texts[-len(res.tokens) + r] if decoders else toks}")
-    finally:
-        streamer.close()
-    metrics = _metrics(results, plan, links, device, batch)
-    _report(metrics)
-    if args.output_json:
-        out = {"generated_ids": all_ids, "metrics": metrics, "plan": _plan_json(plan)}
-        if tokenizer is not None:
-            out["text"] = texts
-        _write_json(args.output_json, out)
-    return 0
+                print(decoders[0].flush(), end="")
+            texts += [tokenizer.decode(t) for t in res.tokens]
+        if single:
+            print()
+        else:
+            for r, toks in enumerate(res.tokens):
+                print(f"[{len(all_ids) - len(res.tokens) + r}] "
+                      f"{texts[-len(res.tokens) + r] if decoders else toks}")
+    return all_ids, texts, results
 
 
 def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop) -> int:

@@ -1,10 +1,12 @@
-"""What a fine-tuning run prints: the start banner (each choice and why), the end summary
-(time split, bytes per link, peak memory per tier), and a loss-curve PNG where matplotlib is
-installed."""
+"""What a fine-tuning run prints and writes: the start banner (each choice and why), the end
+summary (time split, bytes per link, peak memory per tier), the metrics rows (valid JSON, cut
+back to the checkpoint on resume), and a loss-curve PNG where matplotlib is installed."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 from typing import Any
 
@@ -138,3 +140,34 @@ def write_loss_plot(history: list[dict[str, Any]], path: str) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def finite_or_null(value):
+    """`value` with every inf/nan float replaced by None (JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Keep only the metrics rows of updates up to `step` (atomically rewritten)."""
+    try:  # a damaged byte spoils its line only (kept with U+FFFD, or dropped as torn)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by a crash
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)

@@ -25,7 +25,6 @@ the rest, so no second implementation is kept.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil

@@ -386,9 +386,45 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
         if _is_leftover(name) and os.path.isfile(os.path.join(path, name)):
             os.unlink(os.path.join(path, name))
     previous_shards = _indexed_files(os.path.join(path, INDEX_NAME))
-    expected = parameter_shapes(config)
+    shards, total_bytes, seen_dtype = _write_shards(source, parameter_shapes(config), path, dtype,
+                                                    max_shard_bytes)
+    written = _publish_shards(path, shards, total_bytes)
+    written += _write_side_files(path, config, seen_dtype, extra_files)
+    for stale in previous_shards - {os.path.basename(w) for w in written}:
+        if os.path.isfile(os.path.join(path, stale)):  # shards of an earlier save, now unreferenced
+            os.unlink(os.path.join(path, stale))
+    fsync_dir(path)
+    return written
+
+
+def _export_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None, path: str) -> torch.Tensor:
+    """`t` on the CPU in the export dtype, contiguous; refused when it is not a float tensor or
+    holds inf/nan (before or after the conversion)."""
+    t = t.detach()
+    if t.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"save_pretrained: tensor {name!r} is {t.dtype}, not a float dtype")
+    finite_before = bool(torch.isfinite(t).all())
+    t = t.to(device="cpu", dtype=dtype or t.dtype).contiguous()
+    if not bool(torch.isfinite(t).all()):
+        # a checkpoint transformers would load and compute inf/nan with: never written
+        why = (f"values past {t.dtype}'s range (largest {torch.finfo(t.dtype).max:g}); "
+               f"export in bf16 or fp32" if finite_before else "inf/nan values")
+        raise CheckpointError(f"save_pretrained: tensor {name!r} holds {why}; nothing "
+                              f"was written to {path}")
+    return t
+
+
+Shard = tuple[str, list[str], int]  # (temporary file, tensor names, bytes)
+
+
+def _write_shards(source: StateSource, expected: dict[str, tuple[int, ...]], path: str,
+                  dtype: torch.dtype | None, max_shard_bytes: int
+                  ) -> tuple[list[Shard], int, torch.dtype | None]:
+    """Every tensor into temporary shard files of at most max_shard_bytes (one shard in memory
+    at a time): ([(temporary file, names, bytes)], total bytes, the first tensor's dtype). On any
+    failure the temporaries are removed and nothing final has been touched."""
     metadata = {"format": "pt"}
-    shards: list[tuple[str, list[str], int]] = []  # (temporary file, names, bytes)
+    shards: list[Shard] = []
     current: dict[str, torch.Tensor] = {}
     current_bytes, total_bytes, seen_dtype = 0, 0, None
 
@@ -402,17 +438,7 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
 
     try:
         for name, t in _named_tensors(source, expected):
-            t = t.detach()
-            if t.dtype not in FLOAT_DTYPES:
-                raise CheckpointError(f"save_pretrained: tensor {name!r} is {t.dtype}, not a float dtype")
-            finite_before = bool(torch.isfinite(t).all())
-            t = t.to(device="cpu", dtype=dtype or t.dtype).contiguous()
-            if not bool(torch.isfinite(t).all()):
-                # a checkpoint transformers would load and compute inf/nan with: never written
-                why = (f"values past {t.dtype}'s range (largest {torch.finfo(t.dtype).max:g}); "
-                       f"export in bf16 or fp32" if finite_before else "inf/nan values")
-                raise CheckpointError(f"save_pretrained: tensor {name!r} holds {why}; nothing "
-                                      f"was written to {path}")
+            t = _export_tensor(name, t, dtype, path)
             seen_dtype = seen_dtype or t.dtype
             nbytes = t.numel() * t.element_size()
             if current and current_bytes + nbytes > max_shard_bytes:
@@ -426,7 +452,12 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
             if os.path.exists(tmp):
                 os.unlink(tmp)
         raise
+    return shards, total_bytes, seen_dtype
 
+
+def _publish_shards(path: str, shards: list[Shard], total_bytes: int) -> list[str]:
+    """Rename the temporary shards to their final names (one file, or numbered shards and an
+    index), removing whichever of the single file / index would shadow them."""
     written: list[str] = []
     index_path, single_path = os.path.join(path, INDEX_NAME), os.path.join(path, SINGLE_NAME)
     if len(shards) == 1:
@@ -434,17 +465,24 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
         written.append(single_path)
         if os.path.exists(index_path):  # a leftover index would make loaders read old shards
             os.unlink(index_path)
-    else:
-        weight_map: dict[str, str] = {}
-        for i, (tmp, names, _) in enumerate(shards, start=1):
-            final = os.path.join(path, _shard_name(i, len(shards)))
-            os.replace(tmp, final)
-            written.append(final)
-            weight_map.update({n: os.path.basename(final) for n in names})
-        if os.path.exists(single_path):
-            os.unlink(single_path)  # would shadow the index
-        _write_json(index_path, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
-        written.append(index_path)
+        return written
+    weight_map: dict[str, str] = {}
+    for i, (tmp, names, _) in enumerate(shards, start=1):
+        final = os.path.join(path, _shard_name(i, len(shards)))
+        os.replace(tmp, final)
+        written.append(final)
+        weight_map.update({n: os.path.basename(final) for n in names})
+    if os.path.exists(single_path):
+        os.unlink(single_path)  # would shadow the index
+    _write_json(index_path, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
+    written.append(index_path)
+    return written
+
+
+def _write_side_files(path: str, config: ModelConfig, seen_dtype: torch.dtype | None,
+                      extra_files: Mapping[str, str | dict] | None) -> list[str]:
+    """config.json, generation_config.json and the tokenizer's files beside the weights."""
+    written: list[str] = []
     dtype_name = _DTYPE_NAMES.get(seen_dtype) if seen_dtype is not None else None
     config_path = os.path.join(path, CONFIG_NAME)
     _write_json(config_path, config.to_hf(dtype=dtype_name))
@@ -467,10 +505,6 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
         else:
             _write_json(target, content)
         written.append(target)
-    for stale in previous_shards - {os.path.basename(w) for w in written}:
-        if os.path.isfile(os.path.join(path, stale)):  # shards of an earlier save, now unreferenced
-            os.unlink(os.path.join(path, stale))
-    fsync_dir(path)
     return written
 
 
