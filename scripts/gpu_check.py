@@ -13,7 +13,7 @@ with a timeout, so one OOM or hang costs that item only. Ten minutes proves ever
 takes the 1B numbers; the 8B / 13B items (a 16-26 GB checkpoint each) mostly need --budget-s 1500
 and are recorded as "skipped: time budget" otherwise.
 
-  tests  50% [300 s]  `pytest -m cuda tests` three times: plain, all of tests/test_cuda.py (1.5 x
+  tests  50% [300 s]  `pytest -m cuda tests` three times: plain, every cuda-marked test (1.5 x
         --test-timeout-s); then the quick matrix without the subprocess and peak-memory tests
         (--test-timeout-s each) with TORCH_CUDA_SANITIZER=1 (torch's CUDA stream sanitizer: output
         lines naming CSAN or a data race count as reports) and with delays injected
