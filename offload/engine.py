@@ -39,7 +39,7 @@ from offload.optstate import NvmeState, ResidentState
 from offload.step_paths import AfterBackward, Overlapped
 from offload.stepper import BlockStepper, StepReport, Update
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, freeze_pin_cap,
-                           peak_rss_bytes, return_large_frees_to_os, started_worker)
+                           peak_rss_bytes, large_frees_to_os, started_worker)
 from offload.train_plan import plan_training
 from offload.train_stream import TrainingStreamer
 
@@ -65,7 +65,6 @@ class Engine:
                                "weights now live in that engine's tiers); use that engine, or "
                                "close() it first and initialize again")
         self._closed = False
-        return_large_frees_to_os()  # RSS must not grow with the number of blocks (tiers.py)
         self.module = model
         self.cfg = cfg
         self.device = cfg.resolve_device()
@@ -101,7 +100,9 @@ class Engine:
         # while initialising is one block
         self.store = self._make_store()
         self.state = self._make_state()
-        self._place_weights(model, source)
+        smallest = min(b.numel for b in self.blocks) * self.dtype.itemsize
+        with large_frees_to_os(smallest):  # RSS must not grow with the number of blocks (tiers.py)
+            self._place_weights(model, source)
         self._enable_checkpointing()
         if isinstance(self.state, NvmeState):
             self.state.end_step(self.unit_order(), 0)  # init state durable + first prefetch

@@ -57,7 +57,7 @@ from offload.block_layout import Run, StreamError, TensorRange, layout_block
 from offload.blocks import Block, bind_views
 from offload.gpu import on_stream, side_stream_delay
 from offload.slot_pool import LEGAL_MOVES, BlockState, Slot, SlotPool, Staging
-from offload.tiers import freeze_pin_cap, host_aligned, return_large_frees_to_os, started_worker
+from offload.tiers import freeze_pin_cap, host_aligned, large_frees_to_os, started_worker
 
 Residency = Literal["device", "cpu", "nvme"]  # where a block's 16-bit weights live between uses
 RESIDENCIES: tuple[str, ...] = get_args(Residency)
@@ -106,7 +106,6 @@ class BlockStreamer:
                  progress: Callable[[int], None] | None = None,
                  host_flats: Sequence[torch.Tensor | None] | None = None,
                  expected_crc32: Callable[[int], int | None] | None = None):
-        return_large_frees_to_os()  # block-sized temporaries must not pile up in malloc arenas
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         if len(residency) != len(layers):
@@ -151,10 +150,12 @@ class BlockStreamer:
         for i, layer in enumerate(layers):
             self._layout(i, layer)
         self._allocate_streaming()
-        for i in range(len(layers)):
-            self._load_resident(i)
-            if progress is not None:
-                progress(i)
+        smallest = min(self.block_bytes(i) for i in range(len(layers))) if len(layers) else None
+        with large_frees_to_os(smallest):  # block-sized temporaries must not pile up in arenas
+            for i in range(len(layers)):
+                self._load_resident(i)
+                if progress is not None:
+                    progress(i)
 
     # ---- setup ------------------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ apply, so every tier transition runs (and is tested) on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -305,29 +306,61 @@ class MemoryAccount:
             return out
 
 
-_MALLOC_FIXED = False
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+_SETUP_DEPTH = 0
+_SETUP_LOCK = threading.Lock()
+_MMAP_MAX = 32 << 20  # the most glibc's own adaptation raises the mmap threshold to
+_after_setup_bytes = _MMAP_MAX  # the threshold after this set-up: below its blocks' sizes
 
 
-def return_large_frees_to_os(threshold_bytes: int = 1 << 20) -> bool:
-    """Make glibc serve every allocation >= threshold with its own mmap, released on free.
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        import ctypes
+        return bool(ctypes.CDLL("libc.so.6").mallopt(param, int(value)))
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return False
+
+
+@contextlib.contextmanager
+def large_frees_to_os(smallest_block_bytes: int | None = None, threshold_bytes: int = 1 << 20):
+    """While setting up (a model's blocks materialised, written to swap, loaded into a
+    streamer), glibc serves every allocation >= threshold with its own mmap, released on free.
 
     glibc raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB),
     after which block-sized temporaries (a layer's fp32 master while it is initialised, a
     staging copy) come from malloc arenas that are not returned to the OS: RSS then grows with
-    the number of blocks although nothing is held. Setting the threshold explicitly turns that
-    adaptation off (measured: 8 -> 32 streamed blocks went from 1.54x to 1.12x peak RSS).
-    Process-wide and idempotent; a no-op where the C library is not glibc."""
-    global _MALLOC_FIXED
-    if _MALLOC_FIXED:
-        return True
+    the number of blocks although nothing is held (measured: 8 -> 32 streamed blocks went from
+    1.54x to 1.12x peak RSS with the low threshold).
+
+    Only while setting up: kept for the whole run, every activation >= 1 MiB of every forward
+    and backward became a fresh mmap that the kernel zeroes page by page -- the plain PyTorch
+    loop in the same process took 3.8x the page faults and 1.3-1.4x the step time (small
+    Llama, fp32, batch 4 x 256; docs/BENCHMARKS.md). On leaving the outermost set-up the
+    regime glibc itself would have adapted to (mmap threshold 32 MiB, trim threshold twice
+    that) -- but below half the smallest block's bytes (`smallest_block_bytes`, in the compute
+    dtype), so block-sized buffers made during training (a lazily made gradient buffer, a
+    fetch's staging) still go back to the OS and RSS keeps not growing with depth, while the
+    activations of a block (smaller than its weights at training batch sizes) reuse heap
+    memory. Nested uses (the engine's set-up building a streamer) count once; process-wide; a
+    no-op where the C library is not glibc."""
+    global _SETUP_DEPTH, _after_setup_bytes
+    with _SETUP_LOCK:
+        if _SETUP_DEPTH == 0:  # the outermost set-up: the latest model decides
+            _after_setup_bytes = _MMAP_MAX
+        if smallest_block_bytes is not None:
+            _after_setup_bytes = min(_after_setup_bytes,
+                                     max(threshold_bytes, smallest_block_bytes // 2))
+        _SETUP_DEPTH += 1
+        if _SETUP_DEPTH == 1:
+            _mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
     try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        M_MMAP_THRESHOLD = -3
-        _MALLOC_FIXED = bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
-    except (OSError, AttributeError):
-        return False
-    return _MALLOC_FIXED
+        yield
+    finally:
+        with _SETUP_LOCK:
+            _SETUP_DEPTH -= 1
+            if _SETUP_DEPTH == 0:
+                _mallopt(_M_MMAP_THRESHOLD, _after_setup_bytes)
+                _mallopt(_M_TRIM_THRESHOLD, 2 * _after_setup_bytes)
 
 
 def rss_bytes() -> int:
