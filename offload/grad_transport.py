@@ -49,10 +49,6 @@ class Inline:
         self.landing = landing
         self.block_event: dict[int, "torch.cuda.Event"] = {}  # none: nothing runs async
 
-    @staticmethod
-    def plan_bytes(*_: object, **__: object) -> PlanBytes:
-        return {}
-
     def land(self, bi: int, slot: ParamSlot, grad: torch.Tensor, first: bool) -> None:
         g = self.landing
         t0 = time.perf_counter()
