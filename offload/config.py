@@ -58,7 +58,7 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 Placement = Literal["none", "cpu", "nvme"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 StepPathName = Literal["after", "overlapped", "delayed"]  # how the step meets backward
-GradStorageName = Literal["per_block", "pooled", "double"]  # offload/grad_storage.py
+GradStorageName = Literal["per_block", "pooled", "double", "adopted"]  # offload/grad_storage.py
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
                   "half": "fp16"}
 
@@ -269,20 +269,33 @@ class OffloadConfig:
             return "after", "the fp16 overflow check needs every gradient first"
         return "overlapped", "no clipping and no overflow check: each block steps as its gradients land"
 
-    def grad_landing(self, num_blocks: int) -> tuple[GradStorageName, int]:
-        """Which gradient landing buffers a model of `num_blocks` blocks gets, and how many pool
-        buffers (offload/grad_storage.py): "pooled" needs the overlapped step (each block
-        consumed as soon as it lands), no accumulation (nothing kept between micro-batches) and
-        host landing, and pays off only with more blocks than buffers; "double" is the delayed
-        update's; otherwise "per_block". One answer for the engine and the planner."""
+    def grad_landing(self, num_blocks: int, device: torch.device) -> tuple[GradStorageName, int]:
+        """Which gradient landing buffers a model of `num_blocks` blocks gets on `device`, and
+        how many pool buffers (offload/grad_storage.py): "adopted" (no buffers: autograd's own
+        gradients are kept) where they are made in host memory (the CPU device), nothing is
+        summed (no accumulation) and they are all held until the step after backward anyway;
+        "pooled" needs the overlapped step (each block consumed as soon as it lands), no
+        accumulation (nothing kept between micro-batches) and host landing, and pays off only
+        with more blocks than buffers; "double" is the delayed update's; otherwise "per_block".
+        One answer for the engine and the planner."""
         path = self.step_path()[0]
         if path == "delayed":
             return "double", 0
+        if path == "after" and self.grad_accum_steps == 1 and device.type == "cpu":
+            return "adopted", 0
         if path == "overlapped" and self.grad_accum_steps == 1 and self.offload != "none":
             pool = max(3, self.buffer_count)
             if pool < num_blocks:
                 return "pooled", pool
         return "per_block", 0
+
+    def weights_share_masters(self, device: torch.device) -> bool:
+        """The resident blocks' parameters are views of their fp32 masters themselves (no
+        second copy of the weights, no copy after each step): fp32 compute, the masters on the
+        compute device (host RAM on the CPU device; offload "none" or "cpu"), and no delayed
+        update (it computes with the previous weights while the masters move on)."""
+        return (self.dtype == "fp32" and device.type == "cpu" and self.offload in ("none", "cpu")
+                and self.step_path()[0] != "delayed")
 
     @property
     def torch_dtype(self) -> torch.dtype:

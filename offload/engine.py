@@ -109,7 +109,7 @@ class Engine:
 
         # offload="none" keeps gradients on the device (the plain reference path); the delayed
         # update steps from one set while the next backward lands in the other
-        storage, pool = cfg.grad_landing(len(self.blocks))
+        storage, pool = cfg.grad_landing(len(self.blocks), self.device)
         self.grads = GradLanding(
             self.blocks, self.dtype, cfg.grad_accum_steps, self.account, self.links["d2h"],
             source_device=self.device, pin=self.pin,
@@ -146,6 +146,7 @@ class Engine:
         if cfg.offload_params != "none":
             self._check_streamable()
         stream_flats: list[torch.Tensor] = []
+        share_masters = cfg.weights_share_masters(self.device)
         fill = getattr(source, "read_tensors_into", source)
         trainable = set()
         for bi, block in enumerate(self.blocks):
@@ -161,11 +162,14 @@ class Engine:
                     stream_flats.append(None)
                 self.flat16.append(None)
                 continue
-            flat = torch.empty(block.numel, dtype=self.dtype, device=self.device)
-            flat.copy_(master)
+            if share_masters:  # fp32 on the CPU: the parameters are views of the masters
+                flat = self.state.acquire(bi)[0]
+            else:
+                flat = torch.empty(block.numel, dtype=self.dtype, device=self.device)
+                flat.copy_(master)
+                self.account.add("device", "weights", flat.numel() * flat.element_size())
             bind_views(block, flat, model)
             self.flat16.append(flat)
-            self.account.add("device", "weights", flat.numel() * flat.element_size())
             del master
         self.streaming: TrainingStreamer | None = None
         if self.layer_of:

@@ -4,6 +4,10 @@
             accumulation (micro-batches add into it), offload="none" (on the device);
   Double    two full sets (the delayed update: a job steps from one set while the next
             backward lands in the other; `swap_sets` switches them);
+  Adopted   no buffers at all: where a gradient is made in host memory already (the CPU device),
+            nothing is summed and every gradient is held until the step after backward, the
+            tensor autograd made is kept as it is, one per parameter, and stepped from directly
+            -- the copy into a flat buffer (and its bytes) would buy nothing;
   Pooled    the overlapped step without accumulation: each layer's gradients are consumed by
             its step as soon as they are complete, so a few block-sized buffers, taken when a
             layer's first gradient lands and given back after its step, replace one buffer per
@@ -181,4 +185,41 @@ class Pooled:
             self.pool.put(base)
 
 
-GradStorage = PerBlock | Pooled
+class Adopted:
+    """Each parameter's final gradient, the very tensor autograd made, kept until its block is
+    stepped: `slot(bi, name)`, 1-D. The account counts what is held (after backward: all of it,
+    the bytes PerBlock would hold in its buffers, without their copy)."""
+    kind = "adopted"
+
+    def __init__(self, numels: list[int], tier: str, account: MemoryAccount):
+        self.tier, self.account = tier, account
+        self.held: list[dict[str, torch.Tensor]] = [{} for _ in numels]
+        self.landing: list[torch.Tensor | None] = [None] * len(numels)  # no flat buffers
+
+    @staticmethod
+    def plan_bytes(numels: list[int], itemsize: int, tier: str) -> PlanBytes:
+        return {(tier, "grads"): sum(numels) * itemsize}
+
+    def adopt(self, bi: int, name: str, grad: torch.Tensor) -> None:
+        """Keep `grad` (any shape; made contiguous) as slot `name`'s gradient of block bi."""
+        flat = grad.contiguous().view(-1)
+        old = self.held[bi].pop(name, None)
+        if old is not None:
+            self.account.sub(self.tier, "grads", old.nbytes)
+        self.held[bi][name] = flat
+        self.account.add(self.tier, "grads", flat.nbytes)
+
+    def slot(self, bi: int, name: str) -> torch.Tensor:
+        return self.held[bi][name]
+
+    def buffer(self, bi: int) -> torch.Tensor:
+        raise AssertionError("adopted gradients have no flat buffer: step them slot by slot")
+
+    def release(self, bi: int) -> None:
+        """Block bi has been stepped: its gradients go (autograd's memory, freed now)."""
+        for t in self.held[bi].values():
+            self.account.sub(self.tier, "grads", t.nbytes)
+        self.held[bi] = {}
+
+
+GradStorage = PerBlock | Pooled | Adopted

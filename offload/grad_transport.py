@@ -52,8 +52,8 @@ class Inline:
     def land(self, bi: int, slot: ParamSlot, grad: torch.Tensor, first: bool) -> None:
         g = self.landing
         t0 = time.perf_counter()
-        g.land_host(bi, slot, grad.reshape(-1), first)
-        g.d2h.add(grad.numel() * grad.element_size(), time.perf_counter() - t0)
+        if g.land_host(bi, slot, grad.reshape(-1), first):  # adopted: nothing crossed
+            g.d2h.add(grad.numel() * grad.element_size(), time.perf_counter() - t0)
         if g.is_last_micro:
             g.after_land(bi, slot)
 

@@ -13,7 +13,8 @@ moment backward ends and the optimizer step can start at once.
 Three parts, each with one job:
   GradLanding (here)         the window's bookkeeping: which slots got a gradient, which are
                              final, their norms, when a block is done;
-  storage (grad_storage.py)  the buffers: per block, pooled, or double (the delayed update);
+  storage (grad_storage.py)  the buffers: per block, pooled, double (the delayed update), or
+                             none (adopted: autograd's own tensors, kept where they were made);
   transport (grad_transport.py)  how a gradient gets there: inline, or a CUDA side stream and
                              a landing worker.
 
@@ -41,7 +42,7 @@ import torch
 
 from offload.blocks import Block, ParamSlot
 from offload.config import GradStorageName
-from offload.grad_storage import Double, PerBlock, Pooled
+from offload.grad_storage import Adopted, Double, PerBlock, Pooled
 from offload.grad_transport import Cuda, Inline
 from offload.tiers import LinkCounter, MemoryAccount, PlanBytes, no_pinning
 
@@ -96,6 +97,9 @@ class GradLanding:
                 # allocate, and autograd's transients are in device memory there
                 lazy_rest=not self.cuda, incomplete=self.incomplete,
                 names=[b.name for b in blocks])
+        elif storage == "adopted":
+            assert accum_steps == 1 and not self.cuda, "adopted gradients are never summed or moved"
+            self.storage = Adopted(numels, landing_tier, account)
         else:
             kind = {"double": Double, "per_block": PerBlock}[storage]
             where = source_device if landing_tier == "device" else torch.device("cpu")
@@ -122,6 +126,8 @@ class GradLanding:
         if storage == "pooled":
             pooled = set(range(len(numels))) if pooled_blocks is None else pooled_blocks
             out = Pooled.plan_bytes(numels, itemsize, pool_buffers, pooled, host_pin)
+        elif storage == "adopted":
+            out = Adopted.plan_bytes(numels, itemsize, landing_tier)
         else:
             kind = {"double": Double, "per_block": PerBlock}[storage]
             out = kind.plan_bytes(numels, itemsize, landing_tier, host_pin)
@@ -133,6 +139,11 @@ class GradLanding:
     def landing(self) -> list[torch.Tensor | None]:
         """Each block's landing buffer (None: not held now -- pooled)."""
         return self.storage.landing
+
+    @property
+    def adopted(self) -> bool:
+        """Gradients are autograd's own tensors, one per slot (no flat buffer: `slot_grad`)."""
+        return isinstance(self.storage, Adopted)
 
     @property
     def pooled(self) -> bool:
@@ -203,15 +214,28 @@ class GradLanding:
         """Block bi has been stepped (pooled: its buffer goes back to the pool)."""
         self.storage.release(bi)
 
-    def land_host(self, bi: int, slot: ParamSlot, src: torch.Tensor, first: bool) -> None:
+    def slot_grad(self, bi: int, slot: ParamSlot) -> torch.Tensor:
+        """Slot `slot` of block bi's gradient, 1-D: its slice of the landing buffer, or the
+        adopted tensor itself."""
+        if isinstance(self.storage, Adopted):
+            return self.storage.slot(bi, slot.name)
+        return self.buffer(bi)[slot.offset:slot.offset + slot.numel]
+
+    def land_host(self, bi: int, slot: ParamSlot, src: torch.Tensor, first: bool) -> bool:
+        """Put `src` into slot's place (copy on the first gradient of the window, add after);
+        False when nothing was copied: the gradient was adopted where it is."""
+        if isinstance(self.storage, Adopted):
+            self.storage.adopt(bi, slot.name, src)
+            return False
         dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
         if first:
             dst.copy_(src)
         else:
             dst.add_(src)
+        return True
 
     def after_land(self, bi: int, slot: ParamSlot) -> None:
-        dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
+        dst = self.slot_grad(bi, slot)
         # norm in fp32 whatever the landing dtype: the same number clip_grad_norm_ computes
         # per parameter before combining them.
         self.slot_norm[slot.name] = fp32_norm(dst)
@@ -242,7 +266,10 @@ class GradLanding:
                 if slot.name in self.touched[bi]:
                     self.after_land(bi, slot)  # on_block_done is unset: step() steps it
                 else:
-                    dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
+                    if isinstance(self.storage, Adopted):  # zeros to step from, as PerBlock's
+                        self.storage.adopt(bi, slot.name, torch.zeros(
+                            slot.numel, dtype=self.landing_dtype, device=self.device))
+                    dst = self.slot_grad(bi, slot)
                     dst.zero_()
                     # on the landing buffer's device: offload="none" keeps the norms of the
                     # other slots on the GPU, and stack() needs one device (desk review L1)

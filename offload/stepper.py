@@ -145,14 +145,20 @@ class BlockStepper:
         e, cfg = self.e, self.e.cfg
         beta1, beta2 = cfg.betas
         out16, where = self._target(u, bi)
-        grad = e.grads.buffer(bi) if grad is None else grad
-        segments = self._segments(u, bi)
+        # the gradient as (first block offset, flat tensor) pieces: the whole block's, or one
+        # per slot where they were adopted as autograd made them (grad_storage.Adopted)
+        per_slot = grad is None and e.grads.adopted
+        if per_slot:
+            pieces = {s.offset: e.grads.slot_grad(bi, s) for s in e.blocks[bi].slots}
+        else:
+            pieces = {0: e.grads.buffer(bi) if grad is None else grad}
+        segments = self._segments(u, bi, per_slot)
         fp32 = e.dtype == torch.float32
         for unit, lo, hi in e.state.units_of(bi):  # sub-groups of a large block, in order
             master, exp_avg, exp_avg_sq = e.state.acquire(unit)
             t0 = time.perf_counter()
-            for a, b, step in segments or [(lo, hi, u.step)]:
-                a, b = max(a, lo), min(b, hi)  # block offsets, inside this unit
+            for begin, end, step in segments or [(lo, hi, u.step)]:
+                a, b = max(begin, lo), min(end, hi)  # block offsets, inside this unit
                 if a >= b:
                     continue
                 m = slice(a - lo, b - lo)
@@ -160,10 +166,13 @@ class BlockStepper:
                     if not fp32:
                         out16[a:b].copy_(master[m])
                     continue
-                self.kernel(master[m], exp_avg[m], exp_avg_sq[m], grad[a:b], step=step, lr=u.lr,
+                base = begin if per_slot else 0
+                g = pieces[base][a - base:b - base]
+                self.kernel(master[m], exp_avg[m], exp_avg_sq[m], g, step=step, lr=u.lr,
                             beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                             grad_scale=u.grad_scale, out16=None if fp32 else out16[a:b])
-            if fp32:
+            # fp32 weights that are views of the masters themselves were updated in place
+            if fp32 and out16[lo:hi].data_ptr() != master.data_ptr():
                 out16[lo:hi].copy_(master)
             rep.cpu_step_s += time.perf_counter() - t0
             e.state.release(unit, modified=True)
@@ -173,13 +182,15 @@ class BlockStepper:
         rep.upload_s += time.perf_counter() - t0
         u.stepped.add(bi)
 
-    def _segments(self, u: Update, bi: int) -> list[tuple[int, int, int | None]] | None:
+    def _segments(self, u: Update, bi: int,
+                  per_slot: bool = False) -> list[tuple[int, int, int | None]] | None:
         """Block bi's slots as (begin, end, AdamW step number or None = not stepped), when its
-        slots do not all share the update's step number; None (one kernel call) otherwise."""
+        slots do not all share the update's step number or `per_slot` asks for them; None (one
+        kernel call) otherwise."""
         missing = u.missing.get(bi, ())
         skips = self.e.slot_skips
         slots = self.e.blocks[bi].slots
-        if not missing and not any(s.name in skips for s in slots):
+        if not per_slot and not missing and not any(s.name in skips for s in slots):
             return None
         return [(s.offset, s.offset + s.numel,
                  None if s.name in missing else u.step - skips.get(s.name, 0)) for s in slots]

@@ -124,7 +124,8 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     pin = pinned_bytes if cuda and cfg.pin_memory else no_pinning
     resident = [n for i, n in enumerate(sizes) if i not in streamed]
     streamed_sizes = [sizes[i] for i in sorted(streamed)]
-    parts = [resident_weight_bytes(resident, itemsize)]
+    # resident weights that are views of their fp32 masters take no bytes of their own
+    parts = [resident_weight_bytes([] if cfg.weights_share_masters(device) else resident, itemsize)]
     if streamed:
         parts.append(TrainingStreamer.plan_bytes(
             streamed_sizes, cfg.offload_params, itemsize, cuda=cuda, pin=pin, host_ahead=1,
@@ -133,7 +134,7 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         parts.append(NvmeState.plan_bytes(sizes, cfg.buffer_count, cfg.sub_group_size))
     else:
         parts.append(ResidentState.plan_bytes(sizes, "device" if cfg.offload == "none" else "host"))
-    storage, pool = cfg.grad_landing(len(blocks))
+    storage, pool = cfg.grad_landing(len(blocks), device)
     parts.append(GradLanding.plan_bytes(
         sizes, cfg.torch_dtype, cfg.grad_accum_steps, cuda=cuda,
         landing_tier="device" if cfg.offload == "none" else "host", storage=storage,
@@ -210,7 +211,7 @@ def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
         last_error = why
     hint = ("" if base.nvme_dir else " (give an offload dir to let the planner use NVMe)")
     grads = ""
-    if base.replace(offload="nvme").grad_landing(len(blocks))[0] != "pooled" \
+    if base.replace(offload="nvme").grad_landing(len(blocks), device)[0] != "pooled" \
             and base.grad_accum_steps == 1:
         grads = ("; gradients are held for the whole model because " +
                  ("clipping needs the global norm" if base.grad_clip > 0 else "the fp16 overflow "

@@ -197,6 +197,33 @@ def test_fp16_overflow_skips_update(mode, tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fp32_on_the_cpu_keeps_no_second_copies(mode, tmp_path):
+    """fp32 on the CPU device, step after backward: autograd's gradients are stepped from where
+    they were made (no landing copy) and, with the masters in RAM, the parameters are views of
+    the masters themselves (no second weight copy, no copy after the step) -- and the training
+    is still torch.optim.AdamW's, bit for bit, on a Llama."""
+    vocab = _tiny_llama().config.vocab_size
+    _check_equivalence(_tiny_llama, lm_batches(STEPS, vocab), hf_loss, mode, tmp_path, 0.5, 1)
+    model = _tiny_llama()
+    engine = offload.initialize(model, _cfg(mode, tmp_path / "shape", grad_clip=0.5))
+    try:
+        assert engine.grads.adopted
+        shared = mode != "nvme"  # nvme: the masters live in swap files
+        masters = {engine.state.acquire(bi)[0].data_ptr() for bi in range(len(engine.blocks))} \
+            if shared else set()
+        assert (engine.flat16[0].data_ptr() in masters) is shared
+        assert (("device", "weights") in engine.account.kind_peaks()) is not shared
+    finally:
+        engine.close()
+    bf16 = offload.initialize(_tiny_llama(), _cfg(mode, tmp_path / "bf16", grad_clip=0.5,
+                                                  dtype="bf16"))
+    try:  # 16-bit weights are a copy of their own
+        assert bf16.account.kind_peaks()[("device", "weights")] > 0
+    finally:
+        bf16.close()
+
+
 def test_memory_report_and_time_split(tmp_path):
     model = MLP()
     engine = offload.initialize(model, _cfg("nvme", tmp_path, overlap_step=False))
@@ -205,9 +232,13 @@ def test_memory_report_and_time_split(tmp_path):
     rep = engine.memory_report()
     n = sum(p.numel() for p in model.parameters())
     assert rep["nvme"]["masters"] == 4 * n and rep["nvme"]["moments"] == 8 * n
-    assert rep["device"]["weights"] == 4 * n and rep["host"]["grads"] == 4 * n
+    assert rep["device"]["weights"] == 4 * n
+    # on the CPU device the step after backward keeps autograd's own gradients (no landing
+    # copy, nothing crosses a link) until each block is stepped
+    assert engine.grads.adopted and "grads" not in rep["host"]
+    assert engine.account.kind_peaks()[("host", "grads")] == 4 * n
     step = engine.last_report
-    assert step.bytes["d2h"] == 4 * n and step.bytes["h2d"] == 4 * n
+    assert step.bytes["d2h"] == 0 and step.bytes["h2d"] == 4 * n
     assert step.bytes["nvme_read"] == 12 * n and step.bytes["nvme_write"] == 12 * n
     assert step.forward_s > 0 and step.backward_s > 0 and step.cpu_step_s > 0
     engine.close()

@@ -80,7 +80,7 @@ def test_plan_equals_measured_pooled_fp32_mlp(tmp_path):
 
     model = MLP(depth=8)
     cfg = OffloadConfig(offload="cpu", dtype="fp32", device="cpu", buffer_count=3)
-    assert cfg.grad_landing(9)[0] == "pooled"
+    assert cfg.grad_landing(9, torch.device("cpu"))[0] == "pooled"
     engine = offload.initialize(model, cfg)
     try:
         for _ in range(2):
