@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,9 @@ def test_tiers_and_planner_mix_match_transformers(ckpt, tmp_path, capsys):
         res = _json(out)
         assert res["generated_ids"] == [want], name
         assert "prefill" in err and "floor" in err and "peak memory" in err
+        assert all(int(p) <= 100 for p in re.findall(r"(\d+)% of floor", err)), err
+        if name in ("nvme", "mix"):  # the floor comes from the streamer's own reads
+            assert "read by the streamer" in err
         assert stdout.split() == [str(t) for t in want]  # streamed as produced
     mix = _json(tmp_path / "mix.json")
     assert mix["metrics"]["blocks_per_tier"] == {"device": 1, "cpu": 0, "nvme": 3}
@@ -138,3 +142,27 @@ def test_module_entry_point_default_preset(tmp_path):
                 "peak_device_bytes", "peak_host_bytes", "link_gbps"):
         assert key in res["metrics"]
     assert os.path.isfile(tmp_path / "tiny-seed0-fp32" / "config.json")
+
+
+def test_a_run_faster_than_its_floor_prints_no_percentage_above_100(capsys):
+    """When a step beats the floor (the links were measured below what the run got), the report
+    shows the bandwidth the run's own counters give, never a percentage above 100."""
+    from types import SimpleNamespace
+
+    from offload.planner import Links
+    from runners.infer import _metrics, _report
+    stream = SimpleNamespace(moved_bytes={"h2d": 0, "disk": 8 * 10**9}, wait_s=0.0)
+    res = SimpleNamespace(prompt_tokens=4, prefill_s=1.0, decode_tokens=8, decode_s=4.0,
+                          decode_steps=8, decode_stream=stream)
+    links = Links(h2d_gbps=10.0, disk_gbps=1.0, disk_direct=True)
+    for floor_s, beat in ((1.0, True), (0.25, False)):  # 0.5 s per step against each floor
+        plan = SimpleNamespace(floor_s_per_step=lambda _, f=floor_s: f, count=lambda t: 1)
+        m = _metrics([res], plan, links, torch.device("cpu"), 1)
+        _report(m)
+        err = capsys.readouterr().err
+        assert m["beat_floor"] is beat
+        if beat:
+            assert m["percent_of_floor"] is None and "% of floor" not in err
+            assert "disk-bound at 2.00 GB/s" in err  # 1 GB per step in 0.5 s
+        else:
+            assert m["percent_of_floor"] == 50.0 and "50% of floor" in err

@@ -58,6 +58,28 @@ def test_streamed_forward_equals_resident(ckpt, reference, tiers, zero_copy):
         assert streamer.stats.moved_bytes["disk"] >= 3 * nvme * streamer.block_bytes(0)
 
 
+@pytest.mark.parametrize("tiers", ["nvme", "mixed"])
+def test_streamer_disk_probe_reads_the_streamed_blocks_and_leaves_it_usable(ckpt, reference, tiers):
+    """The floor's disk probe reads the NVMe-tier blocks with the streamer itself (a full
+    pipeline: more blocks than its depth in flight), and the model runs exactly as before."""
+    from offload.planner import streamer_disk_gbps
+    ids, want = reference
+    nvme = [i for i, t in enumerate(TIERS[tiers]) if t == "nvme"]
+    with CheckpointReader(ckpt) as reader:
+        model, streamer = load_streamed(reader, TIERS[tiers], device="cpu", dtype=torch.float32)
+        try:
+            gbps, nbytes = streamer_disk_gbps(streamer, min_seconds=0.05)
+            ahead = min(streamer.depth["nvme"], len(streamer.slots) - 1, len(nvme))
+            assert gbps > 0
+            assert nbytes >= (ahead + 1) * streamer.block_bytes(nvme[0])
+            assert nbytes == streamer.stats.moved_bytes["disk"]  # only NVMe-tier reads
+            with torch.no_grad():
+                for _ in range(2):
+                    assert torch.equal(model(ids), want)
+        finally:
+            streamer.close()
+
+
 def test_bf16_checkpoint_converted_after_read(tmp_path):
     save_pretrained(build_model(CFG, "cpu", torch.float32, source=3), tmp_path, dtype=torch.bfloat16)
     ref = load_model(tmp_path, dtype=torch.float32)  # converts bf16 -> fp32 on load
