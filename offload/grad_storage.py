@@ -128,7 +128,6 @@ class Pooled:
             if t is not None:
                 account.add("host", "grads", t.nbytes)
         self.base: list[torch.Tensor | None] = [None] * len(numels)  # pool buffer held by block
-        self.pool_wait_s = 0.0
 
     @staticmethod
     def plan_bytes(numels: list[int], itemsize: int, pool_buffers: int, pooled_blocks: set[int],
@@ -143,9 +142,7 @@ class Pooled:
         if t is not None:
             return t
         if bi not in self.lazy:
-            t0 = time.perf_counter()
-            base = self._take(bi)
-            self.pool_wait_s += time.perf_counter() - t0
+            base = self._take(bi)  # a wait here shows in the backward's time
             if base is not None:
                 self.base[bi] = base
                 t = self.landing[bi] = base[:self.numels[bi]]

@@ -405,13 +405,14 @@ def _probe_copy(device: torch.device, seconds: float, nbytes: int) -> float:
     return done / (time.perf_counter() - t0) / 1e9
 
 
-def disk_read_gbps(paths: list[str], io: IOEngine | None = None,
-                   buffer_bytes: int = 64 << 20) -> tuple[float, bool]:
-    """(GB/s, O_DIRECT used) for one full sequential pass over `paths`, read the way the probe
-    reads (O_DIRECT, several requests in flight). Slower than the start-up probe, but it reads
-    all of the files a streamed step reads from, so whatever caches sit between us and the
-    media (a VM host's page cache, a drive's DRAM) count for it as they count for the stream."""
-    return _probe_disk(paths, float("inf"), io, buffer_bytes, one_pass=True)
+def disk_read_gbps(paths: list[str], io: IOEngine | None = None, buffer_bytes: int = 64 << 20,
+                   ranges: list[tuple[str, int, int]] | None = None) -> tuple[float, bool]:
+    """(GB/s, O_DIRECT used) for one full sequential pass over `paths` (or over `ranges`:
+    (path, offset, bytes)), read the way the probe reads (O_DIRECT, several requests in flight).
+    Slower than the start-up probe, but it reads all of the bytes given, so whatever caches sit
+    between us and the media (a VM host's page cache, a drive's DRAM) count for it as they count
+    for the stream."""
+    return _probe_disk(paths, float("inf"), io, buffer_bytes, one_pass=True, ranges=ranges)
 
 
 def _probe_disk(paths: list[str], seconds: float, io: IOEngine | None,

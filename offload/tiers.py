@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import resource
 import shutil
 import threading
@@ -361,6 +362,19 @@ def large_frees_to_os(smallest_block_bytes: int | None = None, threshold_bytes: 
             if _SETUP_DEPTH == 0:
                 _mallopt(_M_MMAP_THRESHOLD, _after_setup_bytes)
                 _mallopt(_M_TRIM_THRESHOLD, 2 * _after_setup_bytes)
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as lscpu prints it (every benchmark records it: results differ
+    between CPUs more than between runs)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def rss_bytes() -> int:

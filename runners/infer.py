@@ -17,7 +17,12 @@ import os
 import sys
 from typing import Sequence
 
-import torch
+# Idle OpenMP threads sleep rather than spin between parallel regions: read once, when torch's
+# OpenMP runtime starts, so it is set before torch is imported (a user's own setting wins).
+# Spinning threads take the cores the batch-1 split projection runs on (models/kernels.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 from tqdm import tqdm
 
 from offload.config import format_bytes, read_regular_file

@@ -17,12 +17,18 @@ Usage: python scripts/bench_infer.py --dir /tmp/offload-bench/1B-fp32 --new-toke
 
 from __future__ import annotations
 
-import argparse
+import os
+
+# as runners/infer.py does, before torch starts OpenMP: idle threads sleep (models/kernels.py);
+# transformers runs in this process under the same setting
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
 import gc
 import json
-import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import psutil
@@ -31,10 +37,10 @@ import torch
 from offload.config import format_bytes
 from offload.generate import generate
 from offload.models import CheckpointReader, num_params, preset
-from offload.planner import disk_read_gbps, measure_links
-from offload.models import load_streamed
+from offload.planner import disk_read_gbps, measure_links, streamer_disk_gbps
+from offload.models import kernels, load_streamed
 from nvme.io import drop_caches
-from offload.tiers import peak_rss_bytes
+from offload.tiers import cpu_model, peak_rss_bytes
 from runners.infer import random_checkpoint
 
 
@@ -43,23 +49,53 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
-def stream_read_gbps(streamer, layers: int) -> float:
+def stream_read_gbps(streamer) -> float:
     """Disk bandwidth for exactly the bytes a decode step streams, read by the streamer itself
-    (same requests, same slots, as many blocks in flight as it has slots) with no compute in
-    between: the link the NVMe floor is set by. On this VM the virtio disk is cached by the
-    host to a degree we cannot control, so a probe of *other* bytes (the start-up probe, a full
-    pass over the shards) is not a ceiling for these."""
+    (same requests, same depth in flight) with no compute in between, one full pass, page cache
+    dropped first: the link the NVMe floor is set by (the runner measures the same way, for
+    --probe-seconds)."""
     drop_caches()
-    ahead = len(streamer.slots)
-    moved0, t0 = streamer.stats.moved_bytes["disk"], time.perf_counter()
-    for i in range(min(ahead, layers)):
-        streamer.fetch(i)
-    for i in range(layers):
-        streamer.wait(i)
-        streamer.release(i)
-        if i + ahead < layers:
-            streamer.fetch(i + ahead)
-    return (streamer.stats.moved_bytes["disk"] - moved0) / (time.perf_counter() - t0) / 1e9
+    return streamer_disk_gbps(streamer, float("inf"), max_passes=1)[0]
+
+
+def bench_runner_floor(reader, path: str, args) -> dict:
+    """The runner's printed floor against an O_DIRECT read of the same bytes just before: an
+    all-NVMe run of `python -m runners.infer` in this process (issue 16: within 10%, and never
+    more than 100% of it)."""
+    from runners.common import run_main
+    from runners.infer import main as infer_main
+    L = reader.config.num_hidden_layers
+    ranges = [(loc.path, loc.offset, loc.nbytes) for i in range(L) for loc in reader.block_locations(i)]
+    # the probe's own way (16 x 4 MiB requests in flight) before and after, for comparison
+    drop_caches()
+    first, _ = disk_read_gbps([], ranges=ranges)
+    # the same bytes read O_DIRECT the way the streamer reads them (whole blocks, its depth in
+    # flight), one full pass by a streamer of our own, just before the run
+    model, streamer = load_streamed(reader, ["nvme"] * L, device="cpu", dtype=torch.float32,
+                                    nvme_ahead=args.nvme_ahead)
+    try:
+        direct = stream_read_gbps(streamer)
+    finally:
+        streamer.close()
+        del model, streamer
+        gc.collect()
+    out = os.path.join(tempfile.mkdtemp(), "run.json")
+    rc = run_main(infer_main, ["--model", path, "--weights", "nvme", "--prompt-ids", "3,14,15,92",
+                               "--max-new-tokens", str(args.new_tokens), "--output-json", out,
+                               "--nvme-ahead", str(args.nvme_ahead)])
+    if rc != 0:
+        raise SystemExit(f"the runner failed (exit {rc})")
+    with open(out) as f:
+        m = json.load(f)["metrics"]
+    drop_caches()
+    after, _ = disk_read_gbps([], ranges=ranges)
+    row = {"o_direct_first_gbps": first, "o_direct_gbps": direct, "o_direct_after_gbps": after,
+           "runner_disk_gbps": m["link_gbps"]["disk"],
+           "runner_pct_of_floor": m["percent_of_floor"], "beat_floor": m["beat_floor"],
+           "run_disk_gbps": m["run_disk_gbps"]}
+    row["runner_vs_o_direct"] = row["runner_disk_gbps"] / direct
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
 
 
 def bench_nvme(reader, shards: list[str], batches: list[int], args) -> list[dict]:
@@ -75,7 +111,7 @@ def bench_nvme(reader, shards: list[str], batches: list[int], args) -> list[dict
         # warm-up (first-call allocations, thread pools) outside the timed runs
         generate(model, prompts_for(1, args.prompt_len, cfg.vocab_size), max_new_tokens=2,
                  streamer=streamer)
-        disk.append(stream_read_gbps(streamer, L))
+        disk.append(stream_read_gbps(streamer))
         print(f"disk, the streamed bytes alone, before: {disk[-1]:.2f} GB/s", file=sys.stderr, flush=True)
         for b in batches:
             drop_caches()
@@ -89,7 +125,7 @@ def bench_nvme(reader, shards: list[str], batches: list[int], args) -> list[dict
                          "disk_bytes_per_step": st.moved_bytes["disk"] / res.decode_steps,
                          "compute_wait_s_per_step": st.wait_s / res.decode_steps})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        disk.append(stream_read_gbps(streamer, L))
+        disk.append(stream_read_gbps(streamer))
         print(f"disk, the streamed bytes alone, after: {disk[-1]:.2f} GB/s", file=sys.stderr, flush=True)
     finally:
         streamer.close()
@@ -105,7 +141,7 @@ def bench_nvme(reader, shards: list[str], batches: list[int], args) -> list[dict
 
 class _StepClock:
     """A transformers streamer that only notes when each token arrives: put() gets the prompt
-    first, then every generated token."""
+    first (just before the prefill forward), then every generated token."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -116,12 +152,16 @@ class _StepClock:
     def end(self) -> None:
         pass
 
+    def prefill_s(self) -> float:  # the prompt's forward and the first token's choice
+        return self.times[1] - self.times[0]
+
     def decode_s(self) -> float:  # from the first generated token to the last
         return self.times[-1] - self.times[1]
 
 
 def bench_ram(reader, path: str, batches: list[int], args) -> list[dict]:
-    """offload (weights in host RAM) and transformers, alternately, in one process."""
+    """offload (weights in host RAM) and transformers, alternately, in one process: decode and
+    prefill tok/s, and whether both produced the same (greedy) tokens."""
     import transformers
     cfg = reader.config
     ours, streamer = load_streamed(reader, ["cpu"] * cfg.num_hidden_layers, device="cpu",
@@ -130,35 +170,44 @@ def bench_ram(reader, path: str, batches: list[int], args) -> list[dict]:
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     steps = args.new_tokens - 1
 
-    def run_ours(prompts) -> float:
+    def run_ours(prompts) -> tuple[float, float, list[list[int]]]:
         res = generate(ours, prompts, max_new_tokens=args.new_tokens, streamer=streamer)
         assert res.decode_steps == steps
-        return res.decode_tokens / res.decode_s
+        return res.decode_tokens / res.decode_s, res.prefill_tokens_per_s, res.tokens
 
-    def run_hf(prompts) -> float:
+    def run_hf(prompts) -> tuple[float, float, list[list[int]]]:
         clock = _StepClock()
         with torch.inference_mode():
-            hf.generate(torch.tensor(prompts), max_new_tokens=args.new_tokens, streamer=clock, **kw)
-        return len(prompts) * steps / clock.decode_s()
+            out = hf.generate(torch.tensor(prompts), max_new_tokens=args.new_tokens,
+                              streamer=clock, **kw)
+        new = out[:, len(prompts[0]):].tolist()  # prompts_for gives equal lengths: no padding
+        return (len(prompts) * steps / clock.decode_s(),
+                len(prompts) * len(prompts[0]) / clock.prefill_s(), new)
 
     rows = []
     try:
-        run_ours(prompts_for(1, args.prompt_len, cfg.vocab_size))  # warm-up, both
-        run_hf(prompts_for(1, args.prompt_len, cfg.vocab_size))
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, cfg.vocab_size)
-            mine, theirs = [], []
+            # warm-up at this batch size, both: first-call allocations, and offload's one-time
+            # kernel measurement for these shapes (offload/models/kernels.py)
+            run_ours(prompts)
+            run_hf(prompts)
+            got: dict[str, list] = {"offload": [], "transformers": []}
             for k in range(args.rounds):  # alternate which goes first
-                pair = (run_ours, run_hf) if k % 2 == 0 else (run_hf, run_ours)
-                got = {f: f(prompts) for f in pair}
-                mine.append(got[run_ours])
-                theirs.append(got[run_hf])
-            ratio = statistics.median(m / t for m, t in zip(mine, theirs))
-            for engine, tok_s in (("offload", mine), ("transformers", theirs)):
-                med = statistics.median(tok_s)
+                pair = (("offload", run_ours), ("transformers", run_hf))
+                for name, fn in (pair if k % 2 == 0 else pair[::-1]):
+                    got[name].append(fn(prompts))
+            same = all(o[2] == t[2] for o, t in zip(got["offload"], got["transformers"]))
+            decode = statistics.median(o[0] / t[0] for o, t in zip(got["offload"], got["transformers"]))
+            prefill = statistics.median(o[1] / t[1] for o, t in zip(got["offload"], got["transformers"]))
+            for engine, runs in got.items():
+                med = statistics.median(r[0] for r in runs)
                 rows.append({"engine": engine, "tier": "ram", "batch": b, "decode_tok_s": med,
-                             "s_per_step": b / med, "runs_tok_s": tok_s,
-                             "ratio_vs_transformers": ratio if engine == "offload" else None})
+                             "s_per_step": b / med, "runs_tok_s": [r[0] for r in runs],
+                             "prefill_tok_s": statistics.median(r[1] for r in runs),
+                             "ratio_vs_transformers": decode if engine == "offload" else None,
+                             "prefill_ratio_vs_transformers": prefill if engine == "offload" else None,
+                             "tokens_identical": same})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         streamer.close()
@@ -166,17 +215,23 @@ def bench_ram(reader, path: str, batches: list[int], args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| engine | weights | batch | decode tok/s | s/step | vs transformers | disk read/step | "
-           "floor s/step | % of floor | compute waited s/step |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| engine | weights | batch | decode tok/s | s/step | vs transformers | prefill tok/s | "
+           "prefill vs transformers | same tokens | disk read/step | floor s/step | % of floor | "
+           "compute waited s/step |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['ratio_vs_transformers']:.2f}x" if r.get("ratio_vs_transformers") else "-"
+        pre = f"{r['prefill_tok_s']:.1f}" if r.get("prefill_tok_s") else "-"
+        pre_ratio = (f"{r['prefill_ratio_vs_transformers']:.2f}x"
+                     if r.get("prefill_ratio_vs_transformers") else "-")
+        same = {True: "yes", False: "**no**"}.get(r.get("tokens_identical"), "-")
         pct = f"{r['pct_of_floor']:.0f}%" if r.get("pct_of_floor") else "-"
         floor = f"{r['floor_s_per_step']:.2f}" if r.get("floor_s_per_step") else "-"
         disk = format_bytes(r["disk_bytes_per_step"]) if r.get("disk_bytes_per_step") else "-"
         wait = f"{r['compute_wait_s_per_step']:.2f}" if "compute_wait_s_per_step" in r else "-"
         out.append(f"| {r['engine']} | {r['tier']} | {r['batch']} | {r['decode_tok_s']:.2f} | "
-                   f"{r['s_per_step']:.3f} | {ratio} | {disk} | {floor} | {pct} | {wait} |")
+                   f"{r['s_per_step']:.3f} | {ratio} | {pre} | {pre_ratio} | {same} | {disk} | "
+                   f"{floor} | {pct} | {wait} |")
     return "\n".join(out)
 
 
@@ -184,8 +239,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/offload-bench/1B-fp32")
     p.add_argument("--preset", default="1B")
-    p.add_argument("--parts", default="ram,nvme", help="ram (vs transformers), nvme, or both")
-    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--parts", default="ram,nvme,runner",
+                   help="ram (vs transformers), nvme (streamed decode), runner (its floor vs O_DIRECT)")
+    p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="alternating runs per batch (ram part)")
     p.add_argument("--prompt-len", type=int, default=8)
@@ -207,17 +263,37 @@ def main() -> None:
             rows += bench_ram(reader, args.dir, batches, args)
         if "nvme" in parts:
             rows += bench_nvme(reader, shards, batches, args)
+        floor = bench_runner_floor(reader, args.dir, args) if "runner" in parts else None
     nv = {r["batch"]: r["decode_tok_s"] for r in rows if r["tier"] == "nvme"}
     header = (f"{args.preset} ({num_params(cfg) / 1e9:.2f}B params, fp32), {torch.get_num_threads()} "
-              f"threads, {platform.processor() or platform.machine()}, "
+              f"threads, CPU: {cpu_model()}, "
               f"{format_bytes(psutil.virtual_memory().total)} RAM; start-up probe: disk "
               f"{links.disk_gbps:.2f} GB/s, memcpy {links.h2d_gbps:.2f} GB/s; prompt "
               f"{args.prompt_len} tokens, {args.new_tokens} new tokens, {args.rounds} rounds; "
               f"peak RSS {format_bytes(peak_rss_bytes())}")
     print(header)
     print(table(rows))
+    ram = [r for r in rows if r["tier"] == "ram" and r["engine"] == "offload"]
+    if ram:
+        worst = min(min(r["ratio_vs_transformers"], r["prefill_ratio_vs_transformers"]) for r in ram)
+        same = all(r["tokens_identical"] for r in ram)
+        print(f"ram vs transformers: slowest decode or prefill ratio {worst:.2f}x, tokens "
+              f"{'identical' if same else 'DIFFERENT'} (goal: >= 1.0x at every batch, identical)")
+        for (out_f, in_f, rows_n), c in sorted(kernels.choices().items()):
+            timed = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c["seconds"].items())
+            print(f"  few-rows kernel [{rows_n} x {in_f}] -> {out_f}: {c['kernel']} ({timed} on "
+                  f"the first {min(out_f, kernels.PROBE_BYTES // (in_f * 4))} rows of the weight)")
     if nv and min(nv) in nv and max(nv) != min(nv):
         print(f"nvme: batch {max(nv)} decode = {nv[max(nv)] / nv[min(nv)]:.1f}x batch {min(nv)}")
+    if floor is not None:
+        pct = floor["runner_pct_of_floor"]
+        print(f"runner floor: disk {floor['runner_disk_gbps']:.2f} GB/s vs O_DIRECT read of the same "
+              f"bytes just before {floor['o_direct_gbps']:.2f} GB/s = {floor['runner_vs_o_direct']:.2f}x "
+              f"(the start-up probe's way, 16 x 4 MiB in flight: {floor['o_direct_first_gbps']:.2f} "
+              f"before, {floor['o_direct_after_gbps']:.2f} GB/s after the run) "
+              f"(goal within 10%); printed "
+              + (f"{pct:.0f}% of floor" if pct is not None else
+                 f"disk-bound at {floor['run_disk_gbps']:.2f} GB/s (faster than the floor)"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": rows, "links": vars(links)}, f, indent=1)

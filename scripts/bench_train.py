@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import offload  # noqa: E402
 from offload.config import OffloadConfig, format_bytes  # noqa: E402
 from offload.models import build_model, num_params, preset  # noqa: E402
+from offload.tiers import cpu_model  # noqa: E402
 
 # overlap_wait: what the update waited for steps run on the step thread (the overlapped
 # blocks, or the previous update's delayed step); their own cpu_step / upload time is hidden
@@ -297,17 +298,6 @@ def _fresh_row(mode: str, args) -> dict | None:
         with open(out) as f:
             got = json.load(f)
     return got[0] if got else None
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _median_rows(rows: list[dict]) -> list[dict]:

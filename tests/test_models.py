@@ -247,11 +247,19 @@ def test_model_is_blocks_in_one_module_list() -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_row_projection_equals_linear(bias: bool) -> None:
-    """`project` (the decode-shaped kernel choice) computes nn.Linear: the same values for every
-    row count, and outside inference mode (no_grad included, as in a checkpointed training
-    forward) it *is* nn.Linear, bit for bit (training's equivalence depends on that)."""
-    from offload.models.llama import SMALL_ROWS_MAX, project
+@pytest.mark.parametrize("kernel", ["linear", "transposed", "split", "measure"])
+def test_small_row_projection_equals_linear(bias: bool, kernel: str, monkeypatch) -> None:
+    """`project` (the decode-shaped kernel choice) computes nn.Linear with either kernel, or
+    the measured one: the same values for every row count, and outside inference mode (no_grad
+    included, as in a checkpointed training forward) it *is* nn.Linear, bit for bit (training's
+    equivalence depends on that)."""
+    from offload.models import kernels
+    from offload.models.llama import project
+    SMALL_ROWS_MAX = kernels.SMALL_ROWS_MAX
+    monkeypatch.setenv("OFFLOAD_FEW_ROWS_KERNEL", kernel)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # split is offered only then (kernels.py)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # and with 2+ threads
+    kernels.reset()
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(96, 200, bias=bias)
     for rows in range(1, SMALL_ROWS_MAX + 3):
@@ -262,6 +270,50 @@ def test_small_row_projection_equals_linear(bias: bool) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         with torch.no_grad():  # a checkpointed training forward: nn.Linear exactly
             assert torch.equal(project(layer, x), layer(x))
+
+
+def test_few_rows_kernel_is_chosen_by_measurement(monkeypatch) -> None:
+    """Each shape is measured once, among its candidates (one row: F.linear or split across
+    threads; 2-32 rows: F.linear or transposed), and the other kernel is used exactly where it
+    measured faster by the margin."""
+    from offload.models import kernels
+    from offload.models.llama import project
+    monkeypatch.delenv("OFFLOAD_FEW_ROWS_KERNEL", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # spinning idle threads: no split
+    assert kernels.candidates(1) == ("linear",)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    kernels.reset()
+    calls = []
+
+    def fake_measure(weight, x2d, names):  # the other kernel faster for 1-4 rows only
+        calls.append((x2d.shape[0], names))
+        fast = x2d.shape[0] <= 4
+        return {"linear": 1.0, names[1]: 0.5 if fast else 0.97}
+
+    monkeypatch.setattr(kernels, "measure", fake_measure)
+    ran = []
+    real_run = kernels.run
+    monkeypatch.setattr(kernels, "run", lambda k, w, x: ran.append(k) or real_run(k, w, x))
+    layer = torch.nn.Linear(16, 24, bias=False)
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 8, 2, 8, 1):
+            y = project(layer, torch.randn(rows, 1, 16))
+            assert y.shape == (rows, 1, 24)
+    assert calls == [(1, ("linear", "split")), (2, ("linear", "transposed")),
+                     (4, ("linear", "transposed")), (8, ("linear", "transposed"))]
+    assert ran == ["split", "transposed", "transposed", "transposed", "split"]
+    assert {k[2]: v["kernel"] for k, v in kernels.choices().items()} == \
+        {1: "split", 2: "transposed", 4: "transposed", 8: "linear"}
+    kernels.reset()
+
+
+def test_few_rows_measurement_times_every_candidate() -> None:
+    from offload.models import kernels
+    w = torch.randn(512, 256)
+    for rows, names in ((1, ("linear", "split")), (3, ("linear", "transposed"))):
+        times = kernels.measure(w, torch.randn(rows, 256), names)
+        assert set(times) == set(names) and all(0 < t < 1 for t in times.values())
 
 
 def test_head_projection_gradients_and_tied_peak() -> None:

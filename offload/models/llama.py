@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offload.models import kernels
 from offload.models.config import ModelConfig, block_prefix
 
 # enable_gqa lets SDPA attend grouped K/V heads without materialising repeated copies.
@@ -126,30 +127,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 # ---- projections ----------------------------------------------------------------------------
-# CPU fp32 GEMM with few rows is badly served by the usual x @ W^T formulation: measured on this
-# project's 2-core x86 machine (torch 2.13 CPU), the seven projections of a 1B Llama layer take
-# 21 ms for 4 rows against 10 ms for 1 row, and the 1 GB vocabulary projection runs far from its
-# memory-bound time. The same product computed as (W @ x^T)^T walks W in the order it is stored:
-# 1.3-2.5x faster for 2-7 rows, 1.0-1.6x for 8-32 (the vocabulary projection 1.2-1.3x), equal at
-# 1 row (docs/benchmarks/infer.md). Batched decode is exactly that shape ([B, 1] tokens), so
-# inference (torch.inference_mode, as generation runs) takes the other formulation up to 32
-# rows; prefill, with more rows, does not. Training never does, checkpointed forwards included:
-# its results stay bit-identical to nn.Linear's.
-SMALL_ROWS_MAX = 32
-
-
+# For few rows (batched decode is [B, 1] tokens) the same product computed as (W @ x^T)^T can be
+# much faster than x @ W^T on one CPU and much slower on another, and one row (batch-1 decode)
+# runs on one core unless split: offload/models/kernels.py measures the candidates on this
+# machine, per shape, the first time it meets one in inference. Training
+# never takes it, checkpointed forwards included: its results stay bit-identical to nn.Linear's.
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x [..., in] -> [..., out]; the same math, a faster kernel for few rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     # inference mode, not merely no-grad: activation checkpointing runs training forwards under
     # no_grad, and those must compute exactly what the recompute and plain PyTorch compute
-    if (1 < rows <= SMALL_ROWS_MAX and x.device.type == "cpu" and x.dtype == torch.float32
+    if (0 < rows <= kernels.SMALL_ROWS_MAX and x.device.type == "cpu" and x.dtype == torch.float32
             and torch.is_inference_mode_enabled()):
         w = layer.weight  # [out, in]
-        y = (w @ x.reshape(rows, -1).T).T  # [rows, out]
-        if layer.bias is not None:
-            y = y + layer.bias
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        x2d = x.reshape(rows, -1)  # [rows, in]
+        kernel = kernels.kernel_for(w, x2d)
+        if kernel != "linear":
+            y = kernels.run(kernel, w, x2d)  # [rows, out]
+            if layer.bias is not None:
+                y = y + layer.bias
+            return y.reshape(*x.shape[:-1], w.shape[0])
     return layer(x)
 
 
