@@ -112,6 +112,7 @@ class BlockStepper:
         cfg = engine.cfg
         self.kernel = (torch_adamw_step if (cfg.offload == "none" and engine.cuda) else
                        functools.partial(cpu_adamw_step, exact=cfg.exact_optimizer))
+        self.shares_masters = cfg.weights_share_masters(engine.device)  # engine._place_weights
         self.weight_writes: list = []  # nvme-tier weight writes of the current update
         self.weight_ring: list[torch.Tensor] = []  # made at the first nvme-tier block
         self.ring_writes: dict[int, Any] = {}
@@ -241,7 +242,9 @@ class BlockStepper:
                 self.pending_io_s += time.perf_counter() - t0
             return self.weight_ring[r][:numel], ("nvme", r)
         if not self.upload_ring:  # the device is the CPU, or offload="none"
-            return (u.weights_out or e.flat16)[bi], ("direct", -1)
+            # weights that are views of the masters: the step updated them, nothing moves
+            kind = "shared" if self.shares_masters and u.weights_out is None else "direct"
+            return (u.weights_out or e.flat16)[bi], (kind, -1)
         r = k % len(self.upload_ring)
         done = self.upload_done[r]
         if done is not None:
@@ -269,4 +272,6 @@ class BlockStepper:
             return
         elif kind == "host":
             return  # written in place by the kernel; the streamer fetches it next forward
+        elif kind == "shared":
+            return  # the weights are the masters the kernel just updated
         e.links["h2d"].add(nbytes)

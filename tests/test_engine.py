@@ -214,6 +214,11 @@ def test_fp32_on_the_cpu_keeps_no_second_copies(mode, tmp_path):
             if shared else set()
         assert (engine.flat16[0].data_ptr() in masters) is shared
         assert (("device", "weights") in engine.account.kind_peaks()) is not shared
+        engine.backward(hf_loss(model, lm_batches(1, vocab)[0]))
+        engine.step()
+        moved = engine.last_report.bytes
+        assert moved["d2h"] == 0  # adopted: no gradient crossed anything
+        assert (moved["h2d"] == 0) is shared  # the step updated the weights themselves
     finally:
         engine.close()
     bf16 = offload.initialize(_tiny_llama(), _cfg(mode, tmp_path / "bf16", grad_clip=0.5,
