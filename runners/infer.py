@@ -74,7 +74,8 @@ def build_parser() -> Parser:
     p.add_argument("--mode", default="latency", choices=MODES)
     p.add_argument("--nvme-ahead", type=int, default=2, help="blocks read ahead from NVMe")
     p.add_argument("--probe-seconds", type=float, default=1.0,
-                   help="time spent measuring link bandwidths at start-up")
+                   help="time spent measuring link bandwidths at start-up; the streamer then "
+                        "reads its NVMe blocks for twice this to set the floor")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--output-json", metavar="FILE")
     return p
@@ -326,7 +327,8 @@ def _probe_stream(args, streamer, links: Links, measured: bool) -> Links:
     start-up probe read the same bytes with other requests before the model was loaded."""
     if not measured or args.probe_seconds == 0:
         return links
-    gbps, nbytes = streamer_disk_gbps(streamer, args.probe_seconds)
+    # twice the start-up probe's time: long enough that a second run measures the same rate
+    gbps, nbytes = streamer_disk_gbps(streamer, 2 * args.probe_seconds)
     if not nbytes:
         return links
     print(f"  disk, the streamed blocks read by the streamer: {gbps:.2f} GB/s over "
