@@ -261,12 +261,12 @@ def test_small_row_projection_equals_linear(bias: bool, kernel: str, monkeypatch
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # and with 2+ threads
     kernels.reset()
     g = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(96, 200, bias=bias)
+    layer = torch.nn.Linear(1024, 300, bias=bias)  # > MIN_MEASURED_BYTES: measured
     for rows in range(1, SMALL_ROWS_MAX + 3):
-        x = torch.randn(rows, 1, 96, generator=g)  # [B, T=1, in], as in batched decode
+        x = torch.randn(rows, 1, 1024, generator=g)  # [B, T=1, in], as in batched decode
         with torch.inference_mode():
             got, want = project(layer, x), layer(x)
-        assert got.shape == want.shape == (rows, 1, 200)
+        assert got.shape == want.shape == (rows, 1, 300)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         with torch.no_grad():  # a checkpointed training forward: nn.Linear exactly
             assert torch.equal(project(layer, x), layer(x))
@@ -295,11 +295,14 @@ def test_few_rows_kernel_is_chosen_by_measurement(monkeypatch) -> None:
     ran = []
     real_run = kernels.run
     monkeypatch.setattr(kernels, "run", lambda k, w, x: ran.append(k) or real_run(k, w, x))
-    layer = torch.nn.Linear(16, 24, bias=False)
+    layer = torch.nn.Linear(16, 24, bias=False)  # under MIN_MEASURED_BYTES: never measured
+    with torch.inference_mode():
+        assert project(layer, torch.randn(2, 1, 16)).shape == (2, 1, 24) and not calls
+    layer = torch.nn.Linear(1024, 512, bias=False)  # 2 MiB
     with torch.inference_mode():
         for rows in (1, 2, 4, 8, 2, 8, 1):
-            y = project(layer, torch.randn(rows, 1, 16))
-            assert y.shape == (rows, 1, 24)
+            y = project(layer, torch.randn(rows, 1, 1024))
+            assert y.shape == (rows, 1, 512)
     assert calls == [(1, ("linear", "split")), (2, ("linear", "transposed")),
                      (4, ("linear", "transposed")), (8, ("linear", "transposed"))]
     assert ran == ["split", "transposed", "transposed", "transposed", "split"]

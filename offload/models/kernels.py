@@ -43,6 +43,7 @@ PROBE_BYTES = 64 << 20  # weight bytes read per timed call: beyond any L3 cache 
 MIN_RATIO = 0.95  # transposed must take <= 95% of F.linear's time to be chosen
 PROBE_REPEATS = 3  # timed calls of each form, alternating; the fastest of each is compared
 EVICT_BYTES = 64 << 20  # read before each timed call: twice the largest L3 of the CPUs measured
+MIN_MEASURED_BYTES = 1 << 20  # smaller weights keep F.linear unmeasured
 
 _choice: dict[tuple[int, int, int], str] = {}  # (out, in, rows) -> kernel name
 _timings: dict[tuple[int, int, int], dict[str, float]] = {}  # -> {kernel: best seconds}
@@ -84,6 +85,8 @@ def kernel_for(weight: torch.Tensor, x2d: torch.Tensor) -> str:
     forced = override()
     if forced is not None:  # where the named kernel is no candidate (split: one row), F.linear
         return forced if forced in candidates(rows) else "linear"
+    if weight.numel() * weight.element_size() < MIN_MEASURED_BYTES:
+        return "linear"  # microseconds either way: not worth a measurement
     key = (weight.shape[0], weight.shape[1], rows)
     hit = _choice.get(key)
     if hit is None:
