@@ -146,7 +146,9 @@ class Engine:
         if cfg.offload_params != "none":
             self._check_streamable()
         stream_flats: list[torch.Tensor] = []
-        share_masters = cfg.weights_share_masters(self.device)
+        # fp32 on the CPU: resident parameters are views of their masters (the stepper then
+        # neither copies nor uploads the updated weights)
+        self.shares_masters = cfg.weights_share_masters(self.device)
         fill = getattr(source, "read_tensors_into", source)
         trainable = set()
         for bi, block in enumerate(self.blocks):
@@ -162,7 +164,7 @@ class Engine:
                     stream_flats.append(None)
                 self.flat16.append(None)
                 continue
-            if share_masters:  # fp32 on the CPU: the parameters are views of the masters
+            if self.shares_masters:
                 flat = self.state.acquire(bi)[0]
             else:
                 flat = torch.empty(block.numel, dtype=self.dtype, device=self.device)

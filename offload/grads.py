@@ -217,14 +217,14 @@ class GradLanding:
     def slot_grad(self, bi: int, slot: ParamSlot) -> torch.Tensor:
         """Slot `slot` of block bi's gradient, 1-D: its slice of the landing buffer, or the
         adopted tensor itself."""
-        if isinstance(self.storage, Adopted):
+        if self.adopted:
             return self.storage.slot(bi, slot.name)
         return self.buffer(bi)[slot.offset:slot.offset + slot.numel]
 
     def land_host(self, bi: int, slot: ParamSlot, src: torch.Tensor, first: bool) -> bool:
         """Put `src` into slot's place (copy on the first gradient of the window, add after);
         False when nothing was copied: the gradient was adopted where it is."""
-        if isinstance(self.storage, Adopted):
+        if self.adopted:
             self.storage.adopt(bi, slot.name, src)
             return False
         dst = self.buffer(bi)[slot.offset:slot.offset + slot.numel]
@@ -266,7 +266,7 @@ class GradLanding:
                 if slot.name in self.touched[bi]:
                     self.after_land(bi, slot)  # on_block_done is unset: step() steps it
                 else:
-                    if isinstance(self.storage, Adopted):  # zeros to step from, as PerBlock's
+                    if self.adopted:  # zeros to step from, as PerBlock's
                         self.storage.adopt(bi, slot.name, torch.zeros(
                             slot.numel, dtype=self.landing_dtype, device=self.device))
                     dst = self.slot_grad(bi, slot)

@@ -112,7 +112,6 @@ class BlockStepper:
         cfg = engine.cfg
         self.kernel = (torch_adamw_step if (cfg.offload == "none" and engine.cuda) else
                        functools.partial(cpu_adamw_step, exact=cfg.exact_optimizer))
-        self.shares_masters = cfg.weights_share_masters(engine.device)  # engine._place_weights
         self.weight_writes: list = []  # nvme-tier weight writes of the current update
         self.weight_ring: list[torch.Tensor] = []  # made at the first nvme-tier block
         self.ring_writes: dict[int, Any] = {}
@@ -172,8 +171,8 @@ class BlockStepper:
                 self.kernel(master[m], exp_avg[m], exp_avg_sq[m], g, step=step, lr=u.lr,
                             beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                             grad_scale=u.grad_scale, out16=None if fp32 else out16[a:b])
-            # fp32 weights that are views of the masters themselves were updated in place
-            if fp32 and out16[lo:hi].data_ptr() != master.data_ptr():
+            # weights that are views of the masters themselves were updated in place
+            if fp32 and where[0] != "shared":
                 out16[lo:hi].copy_(master)
             rep.cpu_step_s += time.perf_counter() - t0
             e.state.release(unit, modified=True)
@@ -243,7 +242,7 @@ class BlockStepper:
             return self.weight_ring[r][:numel], ("nvme", r)
         if not self.upload_ring:  # the device is the CPU, or offload="none"
             # weights that are views of the masters: the step updated them, nothing moves
-            kind = "shared" if self.shares_masters and u.weights_out is None else "direct"
+            kind = "shared" if e.shares_masters and u.weights_out is None else "direct"
             return (u.weights_out or e.flat16)[bi], (kind, -1)
         r = k % len(self.upload_ring)
         done = self.upload_done[r]
