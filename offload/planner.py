@@ -162,6 +162,7 @@ class _Sizes:
     device_is_host: bool
     depth: dict[str, int]  # tier -> blocks in flight ahead of the running one
     staging_needed: bool
+    scratch_bytes: int = 0  # transient buffers of the first forward (kernel measurement)
 
     def __post_init__(self) -> None:
         # Host buffers of a GPU run are pinned, and pinned memory is handed out in powers of
@@ -171,7 +172,7 @@ class _Sizes:
 
     def fixed(self, batch: int) -> int:
         return (self.non_block_bytes + batch * (self.kv_bytes_per_seq + self.workspace_per_seq)
-                + WORKSPACE_FIXED_BYTES)
+                + WORKSPACE_FIXED_BYTES + self.scratch_bytes)
 
     def slots_for(self, res: list[str]) -> tuple[int, int]:
         """(slot count, their bytes): the streamer's own sizing (BlockStreamer.slot_raw_bytes)."""
@@ -211,9 +212,12 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
                    device_budget: int, host_budget: int, device_is_host: bool,
                    device_budget_flag: str = "--gpu-memory", host_budget_flag: str = "--cpu-memory",
                    mode: str = "latency", force: str | None = None, host_ahead: int = 1,
-                   nvme_ahead: int = 2, staging_needed: bool = True) -> InferencePlan:
+                   nvme_ahead: int = 2, staging_needed: bool = True,
+                   scratch_bytes: int = 0) -> InferencePlan:
     """Place every block. `staging_needed`: NVMe reads go through host staging (always on a GPU;
-    on CPU only when the checkpoint dtype differs from the compute dtype)."""
+    on CPU only when the checkpoint dtype differs from the compute dtype). `scratch_bytes`:
+    transient device bytes beside the workspace (offload/models/kernels.py's measurement
+    buffer), counted so that an accepted plan cannot run out of memory during them."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     if force is not None and force not in FORCED:
@@ -226,14 +230,15 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
         fill_mode = "latency"
     sizes = _Sizes(list(block_bytes), list(stored_block_bytes), non_block_bytes, kv_bytes_per_seq,
                    workspace_per_seq, device_is_host, {"cpu": host_ahead, "nvme": nvme_ahead},
-                   staging_needed)
+                   staging_needed, scratch_bytes)
     res = ([force] * n if force is not None else
            _place(sizes, batch_size, device_budget, host_budget, fill_mode))
     dev_need, host_need, slot_count, slot_b = sizes.needs(res, batch_size)
     plan = InferencePlan(residency=res, mode=mode, batch_size=batch_size, context=context,
                          block_bytes=list(block_bytes), stored_block_bytes=list(stored_block_bytes),
                          non_block_bytes=non_block_bytes, kv_bytes=batch_size * kv_bytes_per_seq,
-                         workspace_bytes=batch_size * workspace_per_seq + WORKSPACE_FIXED_BYTES,
+                         workspace_bytes=(batch_size * workspace_per_seq + WORKSPACE_FIXED_BYTES
+                                         + scratch_bytes),
                          slot_count=slot_count, slot_bytes=slot_b, staging_bytes=sizes.staging_for(res),
                          device_need=dev_need, host_need=host_need, device_budget=device_budget,
                          host_budget=host_budget, device_is_host=device_is_host,

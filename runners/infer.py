@@ -31,7 +31,7 @@ from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_paramet
                             num_block_params, num_params, parameter_shapes, preset, save_pretrained)
 from offload.planner import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
-from offload.models import load_streamed
+from offload.models import kernels, load_streamed
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,
@@ -305,7 +305,8 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
         device_budget=dev_budget if device.type == "cuda" else host_budget, host_budget=host_budget,
         device_is_host=device.type != "cuda", mode=args.mode,
         force=None if args.weights == "auto" else args.weights, nvme_ahead=args.nvme_ahead,
-        staging_needed=device.type == "cuda" or stored_dtype != dtype)
+        staging_needed=device.type == "cuda" or stored_dtype != dtype,
+        scratch_bytes=kernels.scratch_bytes(device, dtype))
 
 
 def _probe_links(args, cfg, reader, plan, device) -> tuple[Links, bool]:

@@ -319,6 +319,31 @@ def test_few_rows_measurement_times_every_candidate() -> None:
         assert set(times) == set(names) and all(0 < t < 1 for t in times.values())
 
 
+def test_kernel_measurement_buffer_is_in_the_inference_plan(monkeypatch) -> None:
+    """The measurement's eviction buffer is transient device memory of the first forward: the
+    planner counts it, so a budget that only fits without it places fewer blocks in memory."""
+    from offload.models import kernels
+    from offload.planner import plan_inference
+    monkeypatch.delenv("OFFLOAD_FEW_ROWS_KERNEL", raising=False)
+    cpu = torch.device("cpu")
+    assert kernels.scratch_bytes(cpu, torch.float32) == kernels.EVICT_BYTES
+    assert kernels.scratch_bytes(cpu, torch.bfloat16) == 0  # never measured: F.linear
+    assert kernels.scratch_bytes(torch.device("meta"), torch.float32) == 0
+    monkeypatch.setenv("OFFLOAD_FEW_ROWS_KERNEL", "linear")
+    assert kernels.scratch_bytes(cpu, torch.float32) == 0
+    blocks = [32 << 20] * 8
+    kw = dict(block_bytes=blocks, stored_block_bytes=blocks, non_block_bytes=0, batch_size=1,
+              context=64, kv_bytes_per_seq=1 << 20, workspace_per_seq=1 << 20,
+              device_is_host=True)
+    budget = plan_inference(device_budget=1 << 40, host_budget=1 << 40, **kw).device_need
+    fits = plan_inference(device_budget=budget, host_budget=budget, **kw)
+    assert "nvme" not in fits.residency  # the whole model in memory (a CPU device: "device")
+    counted = plan_inference(device_budget=budget, host_budget=budget,
+                             scratch_bytes=kernels.EVICT_BYTES, **kw)
+    assert "nvme" in counted.residency and counted.device_need <= budget
+    assert counted.workspace_bytes == fits.workspace_bytes + kernels.EVICT_BYTES
+
+
 def test_head_projection_gradients_and_tied_peak() -> None:
     """Training's vocabulary head gives nn.Linear's gradients (to fp32 rounding), and with a
     tied embedding autograd sums the two vocab x hidden gradients in place: the backward's

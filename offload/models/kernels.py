@@ -170,6 +170,14 @@ def measure(weight: torch.Tensor, x2d: torch.Tensor,
     return best
 
 
+def scratch_bytes(device: torch.device, dtype: torch.dtype) -> int:
+    """Transient bytes a measurement allocates (the eviction buffer) for a model computing in
+    `dtype` on `device`: what the inference planner adds to the workspace so that the first
+    forward's measurements fit the budget it accepted."""
+    measured = device.type == "cpu" and dtype == torch.float32 and override() is None
+    return EVICT_BYTES if measured else 0
+
+
 def choices() -> dict[tuple[int, int, int], dict]:
     """What was measured and chosen so far: {(out, in, rows): {"kernel": name, "seconds":
     {kernel: best seconds}}} (for reports and tests)."""
