@@ -177,6 +177,10 @@ class OffloadConfig:
     # the first delayed_update_warmup updates are synchronous (early training moves fastest).
     delayed_update: bool = False
     delayed_update_warmup: int = 0
+    # ZeRO across data-parallel ranks (torchrun; offload/zero.py): 0 = every rank keeps all
+    # optimizer state and all-reduces gradients, 1 = masters and moments sharded across ranks,
+    # 2 = the gradients kept for the step sharded too. One process: every stage is the same.
+    zero_stage: int = 0
     # updates skipped in a row for a non-finite loss or gradient before the engine stops
     # (fp16: counted once the loss scale is at its minimum)
     max_nonfinite_skips: int = 10
@@ -217,6 +221,8 @@ class OffloadConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}: must be an integer >= {lo}, got {v!r}")
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for name, hi in (("io_threads", 1024), ("io_block_bytes", 1 << 40), ("io_queue_depth", 1 << 20),
                          ("micro_batch_size", 1 << 20)):
             v = getattr(self, name)
@@ -250,11 +256,14 @@ class OffloadConfig:
             raise ConfigError(why)
 
     # -- derived values -------------------------------------------------------------------
-    def step_path(self) -> tuple[StepPathName, str]:
+    def step_path(self, world: int = 1) -> tuple[StepPathName, str]:
         """How the optimizer step meets backward, and why: "overlapped" (each block steps as its
         gradients land, same math), "delayed" (the whole step runs during the next forward and
         backward, one step stale) or "after" (after backward). One answer for the engine, the
-        planner and the start banner."""
+        planner and the start banner; `world`: data-parallel ranks."""
+        if world > 1:
+            return "after", (f"{world} data-parallel ranks: each block's gradients are averaged "
+                             f"across ranks before it is stepped")
         if self.delayed_update:
             warm = (f", after {self.delayed_update_warmup} synchronous warm-up updates"
                     if self.delayed_update_warmup else "")
@@ -269,7 +278,8 @@ class OffloadConfig:
             return "after", "the fp16 overflow check needs every gradient first"
         return "overlapped", "no clipping and no overflow check: each block steps as its gradients land"
 
-    def grad_landing(self, num_blocks: int, device: torch.device) -> tuple[GradStorageName, int]:
+    def grad_landing(self, num_blocks: int, device: torch.device,
+                     world: int = 1) -> tuple[GradStorageName, int]:
         """Which gradient landing buffers a model of `num_blocks` blocks gets on `device`, and
         how many pool buffers (offload/grad_storage.py): "adopted" (no buffers: autograd's own
         gradients are kept) where they are made in host memory (the CPU device), nothing is
@@ -277,8 +287,11 @@ class OffloadConfig:
         "pooled" needs the overlapped step (each block consumed as soon as it lands), no
         accumulation (nothing kept between micro-batches) and host landing, and pays off only
         with more blocks than buffers; "double" is the delayed update's; otherwise "per_block".
-        One answer for the engine and the planner."""
-        path = self.step_path()[0]
+        Across ranks (`world` > 1) always "per_block": the collectives run on whole, padded
+        block buffers. One answer for the engine and the planner."""
+        path = self.step_path(world)[0]
+        if world > 1:
+            return "per_block", 0
         if path == "delayed":
             return "double", 0
         if path == "after" and self.grad_accum_steps == 1 and device.type == "cpu":
@@ -289,13 +302,14 @@ class OffloadConfig:
                 return "pooled", pool
         return "per_block", 0
 
-    def weights_share_masters(self, device: torch.device) -> bool:
+    def weights_share_masters(self, device: torch.device, world: int = 1) -> bool:
         """The resident blocks' parameters are views of their fp32 masters themselves (no
         second copy of the weights, no copy after each step): fp32 compute, the masters on the
         compute device (host RAM on the CPU device; offload "none" or "cpu"), and no delayed
-        update (it computes with the previous weights while the masters move on)."""
+        update (it computes with the previous weights while the masters move on), and masters
+        of the whole model on this rank (one process, or ZeRO stage 0)."""
         return (self.dtype == "fp32" and device.type == "cpu" and self.offload in ("none", "cpu")
-                and self.step_path()[0] != "delayed")
+                and self.step_path(world)[0] != "delayed" and (world == 1 or self.zero_stage == 0))
 
     @property
     def torch_dtype(self) -> torch.dtype:

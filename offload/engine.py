@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Any, Mapping
 
@@ -42,6 +43,7 @@ from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_repor
                            peak_rss_bytes, large_frees_to_os, started_worker)
 from offload.train_plan import plan_training
 from offload.train_stream import TrainingStreamer
+from offload.zero import ZeroGroup, ensure_process_group, env_world
 
 
 def _counter(name: str, doc: str) -> property:
@@ -68,10 +70,15 @@ class Engine:
         self.module = model
         self.cfg = cfg
         self.device = cfg.resolve_device()
+        if cfg.device is None and self.device.type == "cuda":
+            self.device = torch.device("cuda", env_world()[2])  # torchrun: cuda:LOCAL_RANK
         self.dtype = cfg.torch_dtype
         self.cuda = self.device.type == "cuda"
         self.pin = cfg.pin_memory and self.cuda
         self.blocks, self.block_list_path = group_blocks(model, cfg.block_list)
+        # data-parallel ranks (torchrun): None in one process (offload/zero.py)
+        self.zero = self._make_zero()
+        self.world = self.zero.world if self.zero is not None else 1
         self.param_names = [s.name for b in self.blocks for s in b.slots]
         # the order clip_grad_norm_ would see the parameters in: model.parameters() order
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
@@ -87,7 +94,7 @@ class Engine:
         self._backward_done = False  # a backward() since the last step(): misuse checks
         self.last_report = StepReport()
         self._pending = StepReport()
-        path, self.overlap_why = cfg.step_path()  # how the step meets backward, and why
+        path, self.overlap_why = cfg.step_path(self.world)  # how the step meets backward, and why
         self._check_budgets()
         if self.pin:
             # the pinned-memory cap is fixed now, from the RAM available before this engine
@@ -109,13 +116,14 @@ class Engine:
 
         # offload="none" keeps gradients on the device (the plain reference path); the delayed
         # update steps from one set while the next backward lands in the other
-        storage, pool = cfg.grad_landing(len(self.blocks), self.device)
+        storage, pool = cfg.grad_landing(len(self.blocks), self.device, self.world)
         self.grads = GradLanding(
             self.blocks, self.dtype, cfg.grad_accum_steps, self.account, self.links["d2h"],
             source_device=self.device, pin=self.pin,
             landing_tier="device" if cfg.offload == "none" else "host",
             storage=storage, pool_buffers=pool,
-            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None)
+            pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None,
+            buffer_numels=self._padded_numels())
         self.grads.attach()
         if self.cuda:  # updated 16-bit weights go up on this stream (stepper.py)
             self.h2d_stream = torch.cuda.Stream(self.device)
@@ -127,6 +135,7 @@ class Engine:
         self._fwd_t0: float | None = None
         self._gpu_timer = GpuPhaseTimer(self.device) if self.cuda else None
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
+        self._comm_mark: dict[str, int] = {}
         self._hooks = [model.register_forward_pre_hook(self._on_forward_start),
                        model.register_forward_hook(self._on_forward_end)]
         model._offload_engine = self
@@ -148,11 +157,15 @@ class Engine:
         stream_flats: list[torch.Tensor] = []
         # fp32 on the CPU: resident parameters are views of their masters (the stepper then
         # neither copies nor uploads the updated weights)
-        self.shares_masters = cfg.weights_share_masters(self.device)
+        self.shares_masters = cfg.weights_share_masters(self.device, self.world)
+        # stages 1-2: device weights padded to equal shards, all-gathered in place after a step
+        self.flat16_padded: list[torch.Tensor | None] = []
         fill = getattr(source, "read_tensors_into", source)
         trainable = set()
         for bi, block in enumerate(self.blocks):
             master = gather_flat(block, torch.float32, source=fill)
+            if self.zero is not None:  # every rank starts from rank 0's weights
+                self.zero.broadcast_(master)
             self.state.init_block(bi, master)
             trainable.update(id(s.param) for s in block.slots)
             if cfg.offload_params != "none" and block.module is not None:
@@ -164,14 +177,18 @@ class Engine:
                     stream_flats.append(None)
                 self.flat16.append(None)
                 continue
+            padded = None
             if self.shares_masters:
                 flat = self.state.acquire(bi)[0]
             else:
-                flat = torch.empty(block.numel, dtype=self.dtype, device=self.device)
+                size = self._padded_numels()[bi] if self.gathers_weights else block.numel
+                padded = torch.zeros(size, dtype=self.dtype, device=self.device)
+                flat = padded[:block.numel]
                 flat.copy_(master)
-                self.account.add("device", "weights", flat.numel() * flat.element_size())
+                self.account.add("device", "weights", padded.numel() * padded.element_size())
             bind_views(block, flat, model)
             self.flat16.append(flat)
+            self.flat16_padded.append(padded)
             del master
         self.streaming: TrainingStreamer | None = None
         if self.layer_of:
@@ -198,6 +215,43 @@ class Engine:
             self._checkpointed = enable_activation_checkpointing(
                 self.layers, self.act_store, self.device) > 0
 
+    def _make_zero(self) -> ZeroGroup | None:
+        """The data-parallel group when this process is one of several ranks (the default
+        process group, or one initialised from torchrun's environment), else None."""
+        cfg = self.cfg
+        if not ensure_process_group(self.device):
+            return None
+        import torch.distributed as dist
+        if dist.get_world_size() == 1:
+            return None
+        if cfg.offload_params != "none":
+            raise ConfigError("offload_params across data-parallel ranks streams each rank's "
+                              "shard of the 16-bit weights: that is ZeRO stage 3, not built "
+                              "yet; use offload_params='none' with several ranks, or one process")
+        if cfg.delayed_update:
+            raise ConfigError("delayed_update across data-parallel ranks is not supported: the "
+                              "delayed step would run beside the next backward's collectives; "
+                              "drop delayed_update or run one process")
+        return ZeroGroup(cfg.zero_stage, self.device)
+
+    @property
+    def gathers_weights(self) -> bool:
+        """Each rank steps only its shard and the updated weights are all-gathered (stages 1-2
+        across ranks)."""
+        return self.zero is not None and self.zero.stage >= 1
+
+    def _padded_numels(self) -> list[int] | None:
+        """Flat buffer lengths across ranks (blocks padded to equal shards); None in one process."""
+        if self.zero is None:
+            return None
+        return [self.zero.shards(b.numel).padded for b in self.blocks]
+
+    def owned(self, bi: int) -> tuple[int, int]:
+        """[lo, hi) of block bi that this rank steps (the whole block in one process)."""
+        if self.zero is None:
+            return 0, self.blocks[bi].numel
+        return self.zero.owned(self.blocks[bi].numel)
+
     def unit_order(self) -> list[int]:
         """Optimizer-state units (sub-groups of blocks) in the order the step consumes them."""
         return [u for bi in self.step_order() for u, _, _ in self.state.units_of(bi)]
@@ -212,7 +266,7 @@ class Engine:
     def _check_budgets(self) -> None:
         """Refuse, before allocating anything, a configuration whose tiers do not fit."""
         self.plan = plan_training([(b.numel, b.module is not None) for b in self.blocks],
-                                  self.cfg, self.device)
+                                  self.cfg, self.device, world=self.world)
         self.plan.check()
 
     def _make_store(self):
@@ -224,7 +278,10 @@ class Engine:
 
         io = IOEngine(threads=cfg.io_threads, block_bytes=cfg.io_block_bytes,
                       queue_depth=cfg.io_queue_depth)
-        store = SwapStore(cfg.nvme_dir, engine=io, durable=cfg.swap_fsync,
+        # each rank its own directory: its own lock, manifest and shard files
+        directory = (cfg.nvme_dir if self.zero is None else
+                     os.path.join(cfg.nvme_dir, f"rank{self.zero.rank:05d}"))
+        store = SwapStore(directory, engine=io, durable=cfg.swap_fsync,
                           verify="always" if cfg.verify_checksums else "never")
         # a resumed run rewrites the files a stopped one left: their space is reusable (one
         # tensor at a time is written beside its old version, the largest block's worth)
@@ -246,16 +303,17 @@ class Engine:
 
     def _make_state(self):
         cfg = self.cfg
+        ranges = [self.owned(bi) for bi in range(len(self.blocks))]
         if cfg.offload == "nvme":
             return NvmeState(self.blocks, self.store, cfg.buffer_count, self.account,
                              self.links["nvme_read"], self.links["nvme_write"],
                              prefetch=cfg.prefetch_optimizer_state,
-                             sub_group_params=cfg.sub_group_size)
+                             sub_group_params=cfg.sub_group_size, ranges=ranges)
         tier = "device" if cfg.offload == "none" else "host"
         # never pinned: the CPU kernel reads and writes masters and moments in place; they never
         # cross the link, and pinning them would spend the pinned-memory cap on them instead of
         # on the buffers that do (landing, staging, upload ring, streamed weights; review H3)
-        return ResidentState(self.blocks, tier, self.device, False, self.account)
+        return ResidentState(self.blocks, tier, self.device, False, self.account, ranges)
 
     # -- timing hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args) -> None:
@@ -329,7 +387,15 @@ class Engine:
         rep.grad_wait_s = self.grads.wait()
         self.grads.finish_window()
         self._next_missing = self.grads.missing()
+        if self.zero is not None:  # average the gradients across ranks before anything reads them
+            self._next_missing = self.zero.agree_missing(
+                self.param_names, self._next_missing,
+                {s.name: bi for bi, b in enumerate(self.blocks) for s in b.slots})
+            rep.comm_wait_s += self.zero.reduce_grads(
+                self.grads.landing, [b.numel for b in self.blocks], self.step_order())
         applied = self.path.step(rep)
+        if applied and self.gathers_weights:  # every rank's new shard to every rank
+            rep.comm_wait_s += self.zero.gather_weights(self.flat16_padded, self.step_order())
         self._finish_report(rep, t_step, before)
         return applied
 
@@ -345,6 +411,10 @@ class Engine:
             self.links["stream_h2d"].nbytes, self.links["stream_disk"].nbytes = moved["h2d"], moved["disk"]
         rep.bytes = {k: v.nbytes - before[k] for k, v in self.links.items()}
         self._link_mark = {k: v.nbytes for k, v in self.links.items()}
+        if self.zero is not None:  # bytes this rank sent per collective since the last update
+            sent = self.zero.comm.snapshot()
+            rep.bytes.update({k: v - self._comm_mark.get(k, 0) for k, v in sent.items()})
+            self._comm_mark = sent
         self.last_report = rep
 
     def losses_finite(self) -> bool:
@@ -358,7 +428,11 @@ class Engine:
         gradient costs no pass over memory, in any dtype."""
         cfg = self.cfg
         fp16 = cfg.dtype == "fp16"
-        total = self.grads.global_norm(self._norm_order)  # of the (loss-scaled) gradients
+        if self.zero is not None:  # of the averaged gradients, over every rank's shards
+            total = self.zero.global_norm(self.grads.landing, [b.numel for b in self.blocks],
+                                          self.losses_finite())
+        else:  # of the (loss-scaled) gradients
+            total = self.grads.global_norm(self._norm_order)
         if not (self.losses_finite() and bool(torch.isfinite(total))):
             self.counters.on_nonfinite(cfg)
             return None, float(total)
@@ -417,7 +491,7 @@ class Engine:
         self.join_delayed()
         out: dict[str, torch.Tensor] = {}
         for bi, block in enumerate(self.blocks):
-            flat = self.state.read(bi, "master")
+            flat = self.read_state(bi, "master")
             out.update({k: v.clone() for k, v in block.views(flat).items()})
         return out
 
@@ -428,14 +502,22 @@ class Engine:
         order = [i for i, b in enumerate(self.blocks) if b.module is None] + \
                 [i for i, b in enumerate(self.blocks) if b.module is not None]
         for bi in order:
-            flat = self.state.read(bi, "master")
+            flat = self.read_state(bi, "master")
             engine_state.check_finite({"master weights": flat}, f"block {self.blocks[bi].name}")
             yield from self.blocks[bi].views(flat).items()
 
     def optimizer_state(self, bi: int) -> dict[str, torch.Tensor]:
         """Copies of block bi's flat fp32 state: master, exp_avg, exp_avg_sq."""
         self.join_delayed()
-        return {k: self.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+        return {k: self.read_state(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+
+    def read_state(self, bi: int, kind: str) -> torch.Tensor:
+        """A CPU copy of block bi's whole flat fp32 state of `kind`; across ranks at stages
+        1-2 gathered from every rank's shard (a collective: every rank must call it)."""
+        flat = self.state.read(bi, kind)
+        if self.gathers_weights:
+            flat = self.zero.gather_full(flat, self.blocks[bi].numel)
+        return flat
 
     @property
     def overlap(self) -> bool:

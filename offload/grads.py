@@ -73,9 +73,11 @@ class GradLanding:
                  source_device: torch.device = torch.device("cpu"),
                  landing_tier: Literal["device", "host"] = "host", pin: bool = False,
                  storage: GradStorageName = "per_block", pool_buffers: int = 0,
-                 pooled_blocks: set[int] | None = None):
+                 pooled_blocks: set[int] | None = None, buffer_numels: list[int] | None = None):
         """`landing_tier`: "device" keeps gradients where they are made (offload="none"), "host"
-        moves them to host RAM; `storage` and `pool_buffers`: OffloadConfig.grad_landing()."""
+        moves them to host RAM; `storage` and `pool_buffers`: OffloadConfig.grad_landing();
+        `buffer_numels`: landing buffer lengths when longer than the blocks (ZeRO's padding to
+        equal shards, offload/zero.py; the tail stays zero)."""
         self.blocks = blocks
         self.grad_dtype = grad_dtype
         self.accum_steps = accum_steps
@@ -86,7 +88,7 @@ class GradLanding:
         # Accumulating several micro-batches of 16-bit gradients in 16 bits would lose
         # precision, so with accumulation the landing buffer is fp32.
         self.landing_dtype = landing_dtype(grad_dtype, accum_steps)
-        numels = [b.numel for b in blocks]
+        numels = buffer_numels or [b.numel for b in blocks]
         if storage == "pooled":
             assert accum_steps == 1 and landing_tier == "host" and pool_buffers > 0, \
                 "pooled landing needs accum 1 on the host"

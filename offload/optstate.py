@@ -33,10 +33,19 @@ from offload.tiers import LinkCounter, MemoryAccount, PlanBytes, host_zeros, sta
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
+def whole_blocks(blocks: list[Block]) -> list[tuple[int, int]]:
+    """Every block's full range: the state of one process (or of ZeRO stage 0)."""
+    return [(0, b.numel) for b in blocks]
+
+
 class ResidentState:
+    """`ranges`: per block, the [lo, hi) of its elements whose state this process keeps (its
+    ZeRO shard, offload/zero.py); units, reads and loads are in those block offsets."""
+
     def __init__(self, blocks: list[Block], tier: str, device: torch.device, pin: bool,
-                 account: MemoryAccount):
+                 account: MemoryAccount, ranges: list[tuple[int, int]] | None = None):
         self.blocks = blocks
+        self.ranges = ranges or whole_blocks(blocks)
         self.tier = tier  # "device" (offload none) or "host"
         self.state: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(blocks)
         self._device, self._pin, self._account = device, pin, account
@@ -54,16 +63,17 @@ class ResidentState:
         return host_zeros(numel, torch.float32, self._pin)
 
     def init_block(self, bi: int, master_fp32: torch.Tensor) -> None:
-        numel = self.blocks[bi].numel
-        master, m, v = self._alloc(numel), self._alloc(numel), self._alloc(numel)
-        master.copy_(master_fp32)
+        """`master_fp32`: the whole block's flat fp32 values; this state keeps its range."""
+        lo, hi = self.ranges[bi]
+        master, m, v = self._alloc(hi - lo), self._alloc(hi - lo), self._alloc(hi - lo)
+        master.copy_(master_fp32[lo:hi])
         self.state[bi] = (master, m, v)
         self._account.add(self.tier, "masters", master.nbytes)
         self._account.add(self.tier, "moments", m.nbytes + v.nbytes)
 
     def units_of(self, bi: int) -> list[tuple[int, int, int]]:
         """(unit, first element, end element) of block bi: resident state is one unit a block."""
-        return [(bi, 0, self.blocks[bi].numel)]
+        return [(bi, *self.ranges[bi])]
 
     def begin_step(self, order: list[int]) -> None:
         pass
@@ -107,32 +117,34 @@ class NvmeState:
 
     def __init__(self, blocks: list[Block], store, buffer_count: int, account: MemoryAccount,
                  read_link: LinkCounter, write_link: LinkCounter, prefetch: bool = True,
-                 sub_group_params: int = 1 << 25):
+                 sub_group_params: int = 1 << 25, ranges: list[tuple[int, int]] | None = None):
         from nvme import aligned_empty  # page-aligned: O_DIRECT reads/writes go straight in
 
         self.blocks = blocks
+        self.ranges = ranges or whole_blocks(blocks)
         self.store = store
         self.prefetch = prefetch
         self.read_link, self.write_link = read_link, write_link
         self.unit_names: list[str] = []  # swap-name prefix of each unit
         self.unit_numel: list[int] = []
         self.block_units: list[list[tuple[int, int, int]]] = []
-        for b in blocks:
-            ranges = split_units(b.numel, sub_group_params)
+        for b, (first, end) in zip(blocks, self.ranges):
+            # a rank whose shard of a small block is empty keeps no files for it
+            parts = split_units(end - first, sub_group_params) if end > first else []
             units = []
-            for k, (lo, hi) in enumerate(ranges):
-                units.append((len(self.unit_names), lo, hi))
-                self.unit_names.append(b.name if len(ranges) == 1 else f"{b.name}.part{k}")
+            for k, (lo, hi) in enumerate(parts):
+                units.append((len(self.unit_names), first + lo, first + hi))
+                self.unit_names.append(b.name if len(parts) == 1 else f"{b.name}.part{k}")
                 self.unit_numel.append(hi - lo)
             self.block_units.append(units)
-        max_numel = max(self.unit_numel)
+        max_numel = max(self.unit_numel, default=1)
         # buffer_count sets of (master, exp_avg, exp_avg_sq), each sized for the largest unit
         self.sets = [tuple(aligned_empty(max_numel, torch.float32) for _ in STATE_KINDS)
                      for _ in range(buffer_count)]
         account.add("host", "buffers", sum(t.nbytes for s in self.sets for t in s))
-        for b in blocks:
-            account.add("nvme", "masters", b.numel * 4)
-            account.add("nvme", "moments", b.numel * 8)
+        for lo, hi in self.ranges:
+            account.add("nvme", "masters", (hi - lo) * 4)
+            account.add("nvme", "moments", (hi - lo) * 8)
         self.free: deque[int] = deque(range(buffer_count))
         self.writing: dict[int, list] = {}  # set -> pending write handles
         self.reading: dict[int, tuple[int, list]] = {}  # unit -> (set, pending read handles)
@@ -146,7 +158,7 @@ class NvmeState:
         """The state in swap files, and buffer_count staging sets sized for the largest unit
         (sub-group) in host RAM."""
         n = sum(numels)
-        largest_unit = max(hi - lo for b in numels for lo, hi in split_units(b, sub_group_params))
+        largest_unit = max(1, max(hi - lo for b in numels for lo, hi in split_units(b, sub_group_params)))
         return {("nvme", "masters"): n * 4, ("nvme", "moments"): n * 8,
                 ("host", "buffers"): buffer_count * len(STATE_KINDS) * largest_unit * 4}
 
@@ -303,16 +315,20 @@ class NvmeState:
         self.queue.clear()
 
     def read(self, bi: int, kind: str) -> torch.Tensor:
+        """Block bi's state of `kind` over its range (the whole block in one process)."""
         self.drain()
-        out = torch.empty(self.blocks[bi].numel, dtype=torch.float32)
+        first, end = self.ranges[bi]
+        out = torch.empty(end - first, dtype=torch.float32)
         for u, lo, hi in self.block_units[bi]:
-            self.store.read_into(self.name(u, kind), out[lo:hi]).wait()
+            self.store.read_into(self.name(u, kind), out[lo - first:hi - first]).wait()
         return out
 
     def load(self, bi: int, kind: str, values: torch.Tensor) -> None:
+        """`values`: block bi's state of `kind` over its range."""
         self.drain()
+        first = self.ranges[bi][0]
         for u, lo, hi in self.block_units[bi]:
-            self.store.write(self.name(u, kind), values[lo:hi].contiguous()).wait()
+            self.store.write(self.name(u, kind), values[lo - first:hi - first].contiguous()).wait()
 
     def close(self) -> None:
         try:

@@ -50,6 +50,7 @@ class StepReport:
     hidden_cpu_step_s: float = 0.0
     hidden_upload_s: float = 0.0
     overlapped_blocks: int = 0  # blocks stepped while backward was still running
+    comm_wait_s: float = 0.0  # across ranks: waiting for gradient and weight collectives
     delayed: bool = False  # this update's CPU step runs during the next forward and backward
     applied: bool = True
     nonfinite: bool = False  # skipped: a loss or gradient was inf/nan (fp16 overflow included)
@@ -257,9 +258,11 @@ class BlockStepper:
         kind, r = where
         nbytes = out16.numel() * out16.element_size()
         if kind == "ring":
+            lo, hi = e.owned(bi)  # across ranks only this rank's shard was stepped
+            nbytes = (hi - lo) * out16.element_size()
             with on_stream(e.h2d_stream):
                 side_stream_delay(e.h2d_stream)  # test knob (offload/gpu.py): a late upload
-                (u.weights_out or e.flat16)[bi].copy_(out16, non_blocking=True)
+                (u.weights_out or e.flat16)[bi][lo:hi].copy_(out16[lo:hi], non_blocking=True)
                 ev = host_event()
                 ev.record(e.h2d_stream)
             self.upload_done[r] = ev

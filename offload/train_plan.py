@@ -28,6 +28,7 @@ from offload.stepper import BlockStepper
 from offload.tiers import (TIERS, BudgetError, PlanBytes, check_fits, device_free_bytes,
                            disk_free_bytes, host_free_bytes, no_pinning, pinned_bytes)
 from offload.train_stream import TrainingStreamer
+from offload.zero import Shards
 
 
 @dataclass
@@ -107,9 +108,11 @@ def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtyp
 
 def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
                   device: torch.device | None = None,
-                  activations: ActivationEstimate | None = None) -> TrainingPlan:
+                  activations: ActivationEstimate | None = None, world: int = 1) -> TrainingPlan:
     """Bytes per tier for training a model whose trainable parameters form `blocks`
     ((element count, is a ModuleList layer) each), under `cfg`; activations when estimated.
+    `world` > 1: one of that many data-parallel ranks (cfg.zero_stage; offload/zero.py) --
+    flat buffers padded to equal shards, optimizer state for rank 0's shard (the largest).
     The sum of what each component says it will allocate (its plan_bytes(), beside its
     constructor), so the plan cannot drift from the allocations: tests/test_plan_measured.py
     builds every tier combination and compares the two."""
@@ -124,25 +127,33 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     pin = pinned_bytes if cuda and cfg.pin_memory else no_pinning
     resident = [n for i, n in enumerate(sizes) if i not in streamed]
     streamed_sizes = [sizes[i] for i in sorted(streamed)]
+    padded, state_sizes = sizes, sizes
+    if world > 1:
+        padded = [Shards(n, world).padded for n in sizes]
+        if cfg.zero_stage >= 1:
+            state_sizes = [min(n, Shards(n, world).size) for n in sizes]
+            resident = [padded[i] for i in range(len(sizes)) if i not in streamed]
     # resident weights that are views of their fp32 masters take no bytes of their own
-    parts = [resident_weight_bytes([] if cfg.weights_share_masters(device) else resident, itemsize)]
+    shared = cfg.weights_share_masters(device, world)
+    parts = [resident_weight_bytes([] if shared else resident, itemsize)]
     if streamed:
         parts.append(TrainingStreamer.plan_bytes(
             streamed_sizes, cfg.offload_params, itemsize, cuda=cuda, pin=pin, host_ahead=1,
             nvme_ahead=cfg.prefetch_blocks))
     if cfg.offload == "nvme":
-        parts.append(NvmeState.plan_bytes(sizes, cfg.buffer_count, cfg.sub_group_size))
+        parts.append(NvmeState.plan_bytes(state_sizes, cfg.buffer_count, cfg.sub_group_size))
     else:
-        parts.append(ResidentState.plan_bytes(sizes, "device" if cfg.offload == "none" else "host"))
-    storage, pool = cfg.grad_landing(len(blocks), device)
+        parts.append(ResidentState.plan_bytes(state_sizes,
+                                              "device" if cfg.offload == "none" else "host"))
+    storage, pool = cfg.grad_landing(len(blocks), device, world)
     parts.append(GradLanding.plan_bytes(
-        sizes, cfg.torch_dtype, cfg.grad_accum_steps, cuda=cuda,
+        padded, cfg.torch_dtype, cfg.grad_accum_steps, cuda=cuda,
         landing_tier="device" if cfg.offload == "none" else "host", storage=storage,
         pool_buffers=pool, pooled_blocks=set(layers) or None, pin=pin))
     parts.append(BlockStepper.plan_bytes(
         sizes, streamed_sizes if cfg.offload_params == "nvme" else [], itemsize, cuda=cuda,
         offload=cfg.offload, buffer_count=cfg.buffer_count, pin=pin))
-    if cfg.step_path()[0] == "delayed":
+    if cfg.step_path(world)[0] == "delayed":
         parts.append(Delayed.plan_bytes(resident, itemsize))
     if activations is not None:
         parts.append(activation_bytes(activations, cfg, len(layers), pin))

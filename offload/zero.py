@@ -1,0 +1,239 @@
+"""ZeRO across data-parallel ranks: which part of every block each rank owns, and the collectives.
+
+Every rank runs the same model on its own slice of the global batch. A block's flat buffers
+(weights, gradients, fp32 masters, moments) are cut into `world` shards of S elements
+(S = ceil(numel / world) rounded up to ALIGN_ELEMS); rank r owns [r*S, min((r+1)*S, numel)).
+The flat device weights and gradient buffers are allocated `world * S` long (the padding is
+never a parameter and stays zero), so every collective below is one call on one contiguous
+tensor, with equal parts, as NCCL and gloo want them.
+
+  stage 0  every rank keeps all optimizer state; each block's gradients are all-reduced
+           (averaged) and every rank steps the whole block -- plain data parallelism.
+  stage 1  rank r keeps masters and moments of its shards only; gradients are
+           reduce-scattered (each rank receives the averaged sum of its own shard), each
+           rank steps its shard, and the updated 16-bit shards are all-gathered.
+  stage 2  as stage 1 on the wire; the gradients a rank keeps between the reduction and its
+           step are its shard only.
+
+Per update a rank sends (ring algorithms, n elements of the block): all-reduce 2n(N-1)/N,
+reduce-scatter and all-gather n(N-1)/N each -- so stages 0, 1 and 2 move the same 2Φ elements
+per rank, the ZeRO paper's point: sharding the optimizer state costs no extra communication.
+`CommCounter` counts exactly that, per collective, from the calls made.
+
+Every collective is issued in the same order on every rank (blocks in step order, never in the
+order their gradients happened to complete), so a model whose blocks finish in a
+rank-dependent order cannot pair one rank's block with another's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from offload.config import ConfigError
+
+ALIGN_ELEMS = 64  # shard boundaries on 64 elements: 128/256-byte aligned in 16/32 bits
+DEFAULT_TIMEOUT_S = 60.0  # a dead peer ends the job within this long, not NCCL's 10-30 min
+STAGES = (0, 1, 2)  # built; stage 3 (sharded 16-bit weights) is refused in one line for now
+
+
+@dataclass(frozen=True)
+class Shards:
+    """How one block of `numel` elements is cut across `world` ranks."""
+    numel: int
+    world: int
+
+    @property
+    def size(self) -> int:
+        """S: elements per shard (the last one's tail is padding)."""
+        per = -(-self.numel // self.world)
+        return -(-per // ALIGN_ELEMS) * ALIGN_ELEMS
+
+    @property
+    def padded(self) -> int:
+        """world * S: the length of the block's flat buffers that collectives run on."""
+        return self.size * self.world
+
+    def range(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) of the real elements rank `rank` owns (hi <= numel; may be empty)."""
+        lo = min(rank * self.size, self.numel)
+        return lo, min(lo + self.size, self.numel)
+
+
+@dataclass
+class CommCounter:
+    """Elements one rank sent per collective kind (ring algorithms), their bytes, and the time
+    spent waiting for them."""
+    elements: dict[str, int] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    wait_s: float = 0.0
+
+    def add(self, kind: str, numel: int, itemsize: int, world: int) -> None:
+        factor = 2 if kind == "all_reduce" else 1
+        sent = factor * numel * (world - 1) // world
+        self.elements[kind] = self.elements.get(kind, 0) + sent
+        self.nbytes[kind] = self.nbytes.get(kind, 0) + sent * itemsize
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.nbytes)
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without it."""
+    def read(name: str, default: int) -> int:
+        value = os.environ.get(name)
+        if value is None:
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"${name}={value!r} is not an integer; launch with torchrun, "
+                              f"which sets it") from None
+    return read("RANK", 0), read("WORLD_SIZE", 1), read("LOCAL_RANK", 0)
+
+
+def ensure_process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Use the default process group when one is initialised, or initialise it from torchrun's
+    environment (NCCL on CUDA, gloo on the CPU) when WORLD_SIZE > 1. True when there is one."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    _, world, _ = env_world()
+    if world <= 1:
+        return False
+    if not dist.is_available():
+        raise ConfigError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return True
+
+
+class ZeroGroup:
+    """One rank's view of the data-parallel group: its shards and the collectives of an update."""
+
+    def __init__(self, stage: int, device: torch.device, group=None):
+        if stage not in STAGES:
+            raise ConfigError(f"zero_stage {stage} across ranks is not built yet (sharded 16-bit "
+                              f"weights); use zero_stage 0, 1 or 2, or one process")
+        self.stage = stage
+        self.device = device
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.comm = CommCounter()
+
+    # -- layout -----------------------------------------------------------------------------
+    def shards(self, numel: int) -> Shards:
+        return Shards(numel, self.world)
+
+    def owned(self, numel: int) -> tuple[int, int]:
+        """[lo, hi) of a block of `numel` elements that this rank steps and keeps state for:
+        its shard from stage 1 on, the whole block at stage 0."""
+        return self.shards(numel).range(self.rank) if self.stage >= 1 else (0, numel)
+
+    def broadcast_(self, tensor: torch.Tensor) -> None:
+        """Rank 0's values of `tensor` into every rank's, in place (initial weights: replicas
+        must start equal, whatever each process's seed made)."""
+        on = tensor if tensor.device == self.device else tensor.to(self.device)
+        dist.broadcast(on, src=0, group=self.group)
+        if on is not tensor:
+            tensor.copy_(on)
+
+    # -- gradients --------------------------------------------------------------------------
+    def agree_missing(self, names: list[str], missing: dict[int, set[str]],
+                      block_of: dict[str, int]) -> dict[int, set[str]]:
+        """Slots without a gradient on *every* rank (a slot another rank used has a reduced
+        gradient here too, and must be stepped); one small all-reduce (MIN)."""
+        local = {n for s in missing.values() for n in s}
+        flags = torch.tensor([1 if n in local else 0 for n in names], dtype=torch.int32,
+                             device=self.device)  # NCCL reduces device tensors only
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
+        out: dict[int, set[str]] = {}
+        for n, f in zip(names, flags.tolist()):
+            if f:
+                out.setdefault(block_of[n], set()).add(n)
+        return out
+
+    def reduce_grads(self, buffers: list[torch.Tensor], numels: list[int], order: list[int]) -> float:
+        """Average every block's gradient across ranks: all-reduced whole (stage 0) or
+        reduce-scattered so that this rank's shard holds the average (stages 1-2). `buffers`
+        are the padded landing buffers; issued in `order` (the same on every rank) as
+        asynchronous collectives that run back to back, then waited for. Seconds waited."""
+        t0 = time.perf_counter()
+        works = []
+        for bi in order:
+            buf, sh = buffers[bi], self.shards(numels[bi])
+            assert buf.numel() == sh.padded, (buf.numel(), sh.padded)
+            if self.stage == 0:
+                works.append((bi, None, dist.all_reduce(buf, group=self.group, async_op=True)))
+                self.comm.add("all_reduce", sh.padded, buf.element_size(), self.world)
+            else:
+                out = torch.empty(sh.size, dtype=buf.dtype, device=buf.device)
+                works.append((bi, out, dist.reduce_scatter_tensor(out, buf, group=self.group,
+                                                                  async_op=True)))
+                self.comm.add("reduce_scatter", sh.padded, buf.element_size(), self.world)
+        for bi, out, work in works:
+            work.wait()
+            buf, sh = buffers[bi], self.shards(numels[bi])
+            if out is None:
+                buf.div_(self.world)  # the mean over ranks: each rank's loss is its batch's mean
+            else:
+                lo = self.rank * sh.size
+                buf[lo:lo + sh.size].copy_(out).div_(self.world)
+        waited = time.perf_counter() - t0
+        self.comm.wait_s += waited
+        return waited
+
+    def global_norm(self, buffers: list[torch.Tensor], numels: list[int],
+                    losses_finite: bool) -> torch.Tensor:
+        """The L2 norm of the whole averaged gradient (fp32 0-d), inf when a loss on any rank
+        was not: each rank sums the squares of its shards in fp64, one all-reduce adds them."""
+        pair = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for buf, n in zip(buffers, numels):
+            lo, hi = self.shards(n).range(self.rank)
+            if hi > lo:
+                pair[0] += torch.linalg.vector_norm(buf[lo:hi], dtype=torch.float64).to(self.device) ** 2
+        pair[1] = 0.0 if losses_finite else 1.0
+        dist.all_reduce(pair, group=self.group)
+        total = pair.cpu()  # the host needs it now (the clip coefficient): one small sync
+        if total[1] > 0:
+            return torch.tensor(float("inf"), dtype=torch.float32)
+        return total[0].sqrt().to(torch.float32)
+
+    # -- weights ----------------------------------------------------------------------------
+    def gather_weights(self, flats: list[torch.Tensor], order: list[int]) -> float:
+        """Stages 1-2: every rank's updated shard of each block to every rank (in place: the
+        input is this rank's part of the padded flat buffer). Seconds waited."""
+        t0 = time.perf_counter()
+        works = []
+        for bi in order:
+            flat = flats[bi]
+            size = flat.numel() // self.world
+            mine = flat[self.rank * size:(self.rank + 1) * size]
+            works.append(dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True))
+            self.comm.add("all_gather", flat.numel(), flat.element_size(), self.world)
+        for work in works:
+            work.wait()
+        waited = time.perf_counter() - t0
+        self.comm.wait_s += waited
+        return waited
+
+    def gather_full(self, shard: torch.Tensor, numel: int) -> torch.Tensor:
+        """A block's full tensor from every rank's shard of it (for reading state: exports,
+        checkpoints, tests); every rank must call it. Stage 0: the shard is the whole."""
+        if self.stage == 0:
+            return shard
+        sh = self.shards(numel)
+        mine = torch.zeros(sh.size, dtype=shard.dtype, device=self.device)
+        mine[:shard.numel()].copy_(shard)
+        full = torch.empty(sh.padded, dtype=shard.dtype, device=self.device)
+        dist.all_gather_into_tensor(full, mine, group=self.group)
+        return full[:numel].to(shard.device)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)

@@ -1,0 +1,100 @@
+"""One data-parallel rank of tests/test_zero.py: trains the configurations it is given on its
+slice of every global micro-batch and (rank 0) writes what the test compares.
+
+Run as N processes with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT): the engine initialises the default process group from it, as under torchrun.
+    python tests/zero_ranks.py SPEC.json OUT.pt
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import offload  # noqa: E402
+
+
+def make_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "tiny":
+        from offload.models import build_model, preset
+        return build_model(preset("tiny"), device="cpu", source=0)
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+def batches(vocab: int, n: int, rows: int, seq: int) -> list[torch.Tensor]:
+    """Global micro-batches [rows, seq], the same on every rank (and in the reference)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(n)]
+
+
+def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    logits = (out.logits if hasattr(out, "logits") else out)[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             ids[:, 1:].reshape(-1))
+
+
+def vocab_of(model) -> int:
+    return model.config.vocab_size
+
+
+def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
+    model = make_model(spec["model"])
+    if rank != 0:  # the engine must start every rank from rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    data = batches(vocab_of(model), spec["updates"] * cfg_kw["grad_accum_steps"],
+                   spec["rows"], spec["seq"])
+    per = spec["rows"] // world
+    engine = offload.initialize(model, offload.OffloadConfig(**cfg_kw))
+    losses, sent = [], []
+    for i, ids in enumerate(data):
+        loss = lm_loss(model, ids[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        if engine.step():
+            sent.append({k: v for k, v in engine.last_report.bytes.items()
+                         if k in ("all_reduce", "reduce_scatter", "all_gather")})
+    masters = engine.master_params()
+    memory = engine.account.report()
+    engine.close()
+    memories = [None] * world
+    dist.all_gather_object(memories, memory)
+    return {"losses": losses, "masters": masters, "memory": memories, "sent": sent,
+            "grad_norm": engine.last_report.grad_norm}
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    torch.set_num_threads(1)  # N ranks share this machine's cores
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results = []
+    for cfg_kw in spec["configs"]:
+        cfg_kw = dict(cfg_kw)
+        if cfg_kw.get("nvme_dir"):
+            cfg_kw["nvme_dir"] = os.path.join(cfg_kw["nvme_dir"], f"run{len(results)}")
+        results.append(train(spec, cfg_kw, rank, world))
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
