@@ -1,7 +1,12 @@
 """Saving and restoring the engine's training state: masters, Adam moments and counters.
 
 One safetensors file per block (written atomically), then `engine_state.json` last, so a
-directory whose json exists is complete. Everything read back is validated (layout against
+directory whose json exists is complete. Across data-parallel ranks at ZeRO stages 1-2 each rank
+writes its shard of each block (`block-B.rank-R.safetensors`, its [lo, hi) in the json's
+"shards"), and rank 0 writes the json once every rank's files are written. A load reads, for
+each block, the pieces that overlap the range this process owns now -- so a state saved by N
+ranks resumes on M ranks or in one process (and one process's on N ranks) with no conversion
+step. Everything read back is validated (layout against
 this model, counters, shapes and dtypes) and refused in one line that says what to do. A
 delayed update still pending at the save is saved as it is (offload/delayed.py): the weights
 in use go beside the masters, so a resumed run continues exactly.
@@ -69,19 +74,67 @@ def save_state(engine: "Engine", directory: str) -> None:
     engine.join_delayed()
     pending = engine.delayed is not None and engine.delayed.pending
     os.makedirs(directory, exist_ok=True)
-    for bi, block in enumerate(engine.blocks):
-        tensors = engine.optimizer_state(bi)
-        check_finite(tensors, f"block {block.name}")
-        if pending:
-            tensors["live"] = engine.flat16[bi].cpu()
-        nvme_format.write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
-                   tensors, {"block": block.name})
+    zero = engine.zero
+    if zero is not None and zero.stage >= 1:
+        _save_shards(engine, directory)
+        return
+    if zero is None or zero.rank == 0:  # stage 0: every rank holds the same whole state
+        for bi, block in enumerate(engine.blocks):
+            tensors = engine.optimizer_state(bi)
+            check_finite(tensors, f"block {block.name}")
+            if pending:
+                tensors["live"] = engine.flat16[bi].cpu()
+            nvme_format.write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
+                       tensors, {"block": block.name})
+        _write_meta(directory, state_meta(engine))
+    if zero is not None:
+        zero.barrier()  # nobody goes on before the state is complete
+
+
+def _write_meta(directory: str, meta: dict[str, Any]) -> None:
     tmp = os.path.join(directory, "engine_state.json.tmp")
     with open(tmp, "w") as f:
-        json.dump(state_meta(engine), f)
+        json.dump(meta, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(directory, "engine_state.json"))
+
+
+def _save_shards(engine: "Engine", directory: str) -> None:
+    """Each rank its own shard of every block; the json (rank 0) after all are written. A
+    shard with inf/nan stops every rank before the json exists (the save is incomplete, so
+    the previous checkpoint stays the one to resume from)."""
+    zero = engine.zero
+    bad = None
+    for bi, block in enumerate(engine.blocks):
+        lo, hi = engine.owned(bi)
+        if hi <= lo:
+            continue
+        tensors = {k: engine.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+        try:
+            check_finite(tensors, f"block {block.name} (rank {zero.rank}'s shard)")
+        except NonFiniteError as e:
+            bad = e
+            break
+        nvme_format.write_file(os.path.join(directory, _shard_file(bi, zero.rank)), tensors,
+                               {"block": block.name, "lo": str(lo), "hi": str(hi)})
+    if zero.any_rank(bad is not None):
+        raise bad or NonFiniteError("another rank's optimizer state holds inf/nan values; not "
+                                    "saving (the last checkpoint stays as it was)")
+    if zero.rank == 0:
+        shards = [[[r, *zero.shards(b.numel).range(r)] for r in range(zero.world)
+                   if _nonempty(zero.shards(b.numel).range(r))] for b in engine.blocks]
+        _write_meta(directory, {**state_meta(engine), "shards": {"world": zero.world,
+                                                                 "pieces": shards}})
+    zero.barrier()
+
+
+def _nonempty(rng: tuple[int, int]) -> bool:
+    return rng[1] > rng[0]
+
+
+def _shard_file(bi: int, rank: int) -> str:
+    return f"block-{bi:05d}.rank-{rank:05d}.safetensors"
 
 
 def load_state(engine: "Engine", directory: str) -> None:
@@ -90,8 +143,11 @@ def load_state(engine: "Engine", directory: str) -> None:
     if engine.delayed is not None:
         engine.delayed.drop()  # everything below overwrites what the pending job produced
     skips, pending = _check_meta(engine, meta, meta_path, directory)
+    pieces = _pieces(engine, meta, meta_path, directory)
     for bi in range(len(engine.blocks)):
-        _load_block(engine, directory, bi, pending)
+        _load_block(engine, bi, pending, pieces[bi])
+    if engine.gathers_weights:  # each rank loaded its shard of the 16-bit weights
+        engine.zero.gather_weights(engine.flat16_padded, engine.step_order())
     engine.counters.load_meta({**meta, "slot_skips": skips})
     engine.lr = meta["lr"]
     if pending and engine.delayed is not None:
@@ -161,21 +217,59 @@ def _check_meta(engine: "Engine", meta: dict, meta_path: str, directory: str
     return skips, pending
 
 
-def _load_block(engine: "Engine", directory: str, bi: int, pending: bool) -> None:
-    """Block bi's masters and moments into the optimizer state, and its 16-bit weights (from
-    the masters, or the saved live weights of a pending delayed update) into their tier."""
+def _pieces(engine: "Engine", meta: dict, meta_path: str,
+            directory: str) -> list[list[tuple[str, int, int]]]:
+    """Per block, the files its state was saved in and the [lo, hi) each holds: one whole-block
+    file (one process, or stage 0), or one per rank (stages 1-2), checked to tile the block."""
+    shards = meta.get("shards")
+    if shards is None:
+        return [[(os.path.join(directory, f"block-{bi:05d}.safetensors"), 0, b.numel)]
+                for bi, b in enumerate(engine.blocks)]
+    pieces = shards.get("pieces") if isinstance(shards, dict) else None
+    out = []
+    for bi, b in enumerate(engine.blocks):
+        rows = pieces[bi] if isinstance(pieces, list) and bi < len(pieces) else None
+        ok = (isinstance(rows, list) and len(pieces) == len(engine.blocks)
+              and all(isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r)
+                      for r in rows))
+        if ok:
+            bounds = [0] + [x for _, lo, hi in rows for x in (lo, hi)] + [b.numel]
+            ok = all(bounds[k] == bounds[k + 1] for k in range(0, len(bounds), 2)) and \
+                all(lo < hi for _, lo, hi in rows)
+        if not ok:
+            raise StateError(f"{meta_path}: 'shards' does not describe how block {b.name!r} "
+                             f"was split across ranks; the saved state is damaged — resume "
+                             f"from another checkpoint")
+        out.append([(os.path.join(directory, _shard_file(bi, r)), lo, hi) for r, lo, hi in rows])
+    return out
+
+
+def _load_block(engine: "Engine", bi: int, pending: bool,
+                pieces: list[tuple[str, int, int]]) -> None:
+    """Block bi's masters and moments over the range this process owns (its shard across
+    ranks) from the saved pieces that overlap it, into the optimizer state, and its 16-bit
+    weights (from the masters, or the saved live weights of a pending delayed update) into
+    their tier."""
     block = engine.blocks[bi]
-    path = os.path.join(directory, f"block-{bi:05d}.safetensors")
-    try:
-        with SafetensorsFile(path) as f:
-            values = {k: f.read(k) for k in ("master", "exp_avg", "exp_avg_sq")}
-            live = f.read("live") if pending else None
-    except (FormatError, KeyError, OSError) as e:
-        raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
+    lo, hi = engine.owned(bi)
+    values = {k: torch.empty(hi - lo, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
+    live = None
+    for path, plo, phi in pieces:
+        a, b = max(lo, plo), min(hi, phi)
+        if a >= b:
+            continue
+        try:
+            with SafetensorsFile(path) as f:
+                saved = {k: f.read(k) for k in values}
+                live = f.read("live") if pending and (plo, phi) == (0, block.numel) else live
+        except (FormatError, KeyError, OSError) as e:
+            raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
+        for kind, t in saved.items():
+            if t.shape != (phi - plo,) or t.dtype != torch.float32:
+                raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
+                                 f"expected ({phi - plo},) float32")
+            values[kind][a - lo:b - lo] = t[a - plo:b - plo]
     for kind, t in values.items():
-        if t.shape != (block.numel,) or t.dtype != torch.float32:
-            raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
-                             f"expected ({block.numel},) float32")
         engine.state.load(bi, kind, t)
     if live is not None and (live.shape != (block.numel,) or live.dtype != engine.dtype):
         raise StateError(f"{path}: live weights have shape {tuple(live.shape)} {live.dtype}, "
@@ -187,4 +281,4 @@ def _load_block(engine: "Engine", directory: str, bi: int, pending: bool) -> Non
         engine.flat16[bi].copy_(live)
         engine.delayed.shadow[bi].copy_(values["master"])
     else:  # not delayed now: the pending update simply goes live
-        engine.flat16[bi].copy_(values["master"])
+        engine.flat16[bi][lo:hi].copy_(values["master"])

@@ -235,5 +235,11 @@ class ZeroGroup:
         dist.all_gather_into_tensor(full, mine, group=self.group)
         return full[:numel].to(shard.device)
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any (a failure every rank must act on)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -35,6 +35,7 @@ def free_port() -> int:
 
 def launch_ranks(spec: dict, world: int, tmp_path, timeout_s: float = 240) -> list[dict]:
     """Run tests/zero_ranks.py as `world` gloo ranks; rank 0's results."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec_path, out = tmp_path / "spec.json", tmp_path / "out.pt"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
@@ -138,3 +139,48 @@ def test_one_process_zero_stage_is_the_single_process_engine(tmp_path):
         engine.close()
     for other in out[1:]:
         assert all(torch.equal(out[0][k], other[k]) for k in out[0])
+
+
+def _fp32(tmp_path, **kw) -> dict:
+    return dict(OPT, dtype="fp32", device="cpu", exact_optimizer=True, grad_clip=CLIP,
+                grad_accum_steps=ACCUM, **kw)
+
+
+def test_saved_shards_resume_exactly_and_on_other_world_sizes(tmp_path):
+    """Each rank saves its shards; resuming on the same ranks continues bit for bit, and the
+    same files resume on 3 ranks at another stage and tier, and in one process (resharded as
+    they are read: no conversion step)."""
+    import offload
+    saved = str(tmp_path / "state")
+    half = UPDATES // 2
+    whole = _fp32(tmp_path, offload="cpu", zero_stage=2, save=saved, save_after=half)
+    rest = _fp32(tmp_path, offload="cpu", zero_stage=2, load=saved, skip=half)
+    spec = dict(model="tiny", updates=UPDATES, rows=ROWS, seq=SEQ, configs=[whole])
+    ref = launch_ranks(spec, 2, tmp_path / "a")[0]
+    assert sorted(os.listdir(saved))[:2] == ["block-00000.rank-00000.safetensors",
+                                             "block-00000.rank-00001.safetensors"]
+    spec = dict(spec, updates=UPDATES - half, configs=[rest])
+    again = launch_ranks(spec, 2, tmp_path / "b")[0]
+    assert all(torch.equal(again["masters"][k], ref["masters"][k]) for k in ref["masters"])
+    other = _fp32(tmp_path, offload="nvme", zero_stage=1, nvme_dir=str(tmp_path / "swap"),
+                  load=saved, skip=half)
+    three = launch_ranks(dict(spec, configs=[other]), 3, tmp_path / "c")[0]
+    assert rel_diff(three["masters"], ref["masters"]) <= TOLERANCE
+    # one process: the same files, the whole of every block
+    model = make_model("tiny")
+    engine = offload.initialize(model, {k: v for k, v in rest.items() if k not in ("load", "skip")})
+    engine.load_state(saved)
+    assert engine.global_step == half
+    data = batches(vocab_of(model), UPDATES * ACCUM, ROWS, SEQ)[half * ACCUM:]
+    for ids in data:
+        engine.backward(lm_loss(model, ids))
+        engine.step()
+    assert rel_diff(engine.master_params(), ref["masters"]) <= TOLERANCE
+    # a json whose pieces do not tile a block is refused in one line, before anything loads
+    meta_path = os.path.join(saved, "engine_state.json")
+    meta = json.loads(open(meta_path).read())
+    meta["shards"]["pieces"][0][1][1] += 64  # a gap between rank 0's piece and rank 1's
+    open(meta_path, "w").write(json.dumps(meta))
+    with pytest.raises(offload.engine.StateError, match="does not describe how block"):
+        engine.load_state(saved)
+    engine.close()

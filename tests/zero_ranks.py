@@ -50,15 +50,24 @@ def vocab_of(model) -> int:
 
 
 def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
+    """`cfg_kw` may carry, beside OffloadConfig's fields: "load" (a saved state to resume
+    from), "skip" (updates already done: their micro-batches are skipped), "save" and
+    "save_after" (save the state there after that many updates of this run)."""
+    cfg_kw = dict(cfg_kw)
+    load, skip = cfg_kw.pop("load", None), cfg_kw.pop("skip", 0)
+    save, save_after = cfg_kw.pop("save", None), cfg_kw.pop("save_after", None)
     model = make_model(spec["model"])
     if rank != 0:  # the engine must start every rank from rank 0's weights
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    data = batches(vocab_of(model), spec["updates"] * cfg_kw["grad_accum_steps"],
-                   spec["rows"], spec["seq"])
+    accum = cfg_kw["grad_accum_steps"]
+    data = batches(vocab_of(model), (skip + spec["updates"]) * accum, spec["rows"],
+                   spec["seq"])[skip * accum:]
     per = spec["rows"] // world
     engine = offload.initialize(model, offload.OffloadConfig(**cfg_kw))
+    if load:
+        engine.load_state(load)
     losses, sent = [], []
     for i, ids in enumerate(data):
         loss = lm_loss(model, ids[rank * per:(rank + 1) * per])
@@ -69,6 +78,8 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
         if engine.step():
             sent.append({k: v for k, v in engine.last_report.bytes.items()
                          if k in ("all_reduce", "reduce_scatter", "all_gather")})
+            if save and len(sent) == save_after:
+                engine.save_state(save)
     masters = engine.master_params()
     memory = engine.account.report()
     engine.close()

@@ -1,0 +1,359 @@
+"""ZeRO stages 0, 1 and 2 across data-parallel ranks (offload/zero.py) on one machine, next to
+PyTorch's own sharded data parallelism (FSDP2, torch.distributed.fsdp.fully_shard) on the same
+model and world size: median step time, per-rank model-state bytes per tier beside the ZeRO
+formulas, and the bytes one rank sends per update beside 2Φ(N-1)/N.
+
+Each row is a fresh set of N rank processes of this script (gloo, torchrun's environment), so a
+row's RSS is its own and a broken row cannot hang the next; rank results come back as JSON files.
+
+    python scripts/bench_zero.py                         # 2 ranks, ~4M-param Llama, fp32, CPU
+    python scripts/bench_zero.py --ranks 3 --steps 5 --nvme-dir /mnt/nvme
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import offload  # noqa: E402
+from offload.tiers import cpu_model, peak_rss_bytes  # noqa: E402
+
+MIB = 2**20
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+SHORT = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag"}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    kind: str  # "offload" (our engine), "fsdp2" (fully_shard), "torch" (plain one-process loop)
+    world: int
+    stage: int  # the ZeRO stage whose formula applies (FSDP2 shards weights too: stage 3)
+    offload: str = "none"  # engine: where optimizer state lives; fsdp2: "cpu" = CPUOffloadPolicy
+    state_bytes: int = 12  # optimizer state per parameter: fp32 masters + 2 moments, or moments
+
+
+def plan_rows(args: argparse.Namespace) -> list[Row]:
+    n = args.ranks
+    tiers = ["cpu"] + (["nvme"] if args.nvme_dir else [])
+    rows = [Row(f"offload s{s} {t}", "offload", n, s, t) for t in tiers for s in (0, 1, 2)]
+    # fp32 params are their own masters in torch.optim.AdamW: 8 bytes of moments per parameter
+    rows += [Row("fsdp2", "fsdp2", n, 3, "none", 8), Row("fsdp2+cpuoffload", "fsdp2", n, 3, "cpu", 8)]
+    # one process on all the cores over the whole global batch: the same work, no collectives
+    rows += [Row("offload s0 cpu 1p", "offload", 1, 0, "cpu"), Row("torch 1p", "torch", 1, 0, "none", 8)]
+    return rows
+
+
+# -- one rank -------------------------------------------------------------------------------
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    import transformers
+    torch.manual_seed(0)  # every rank builds the same model (the engine broadcasts rank 0's anyway)
+    ffn = -(-args.hidden * 8 // 3 // 16) * 16  # Llama's 8/3 ratio, a multiple of 16
+    cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                   intermediate_size=ffn, num_hidden_layers=args.layers,
+                                   num_attention_heads=max(1, args.hidden // 64),
+                                   max_position_embeddings=args.seq + 1)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1]).logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             ids[:, 1:].reshape(-1))
+
+
+def local_bytes(t: torch.Tensor | None) -> int:
+    """Bytes this rank holds of `t` (a DTensor's local shard, FSDP2's parameters and state)."""
+    if t is None:
+        return 0
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def timed(step, warmup: int, steps: int) -> list[float]:
+    """Seconds per update (forward, backward, clip, optimizer step) after `warmup` updates."""
+    out = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step()
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor, rank: int) -> dict:
+    model = make_model(args)
+    cfg = offload.OffloadConfig(zero_stage=row.stage, offload=row.offload, dtype="fp32",
+                                device="cpu", lr=args.lr, weight_decay=0.01, grad_clip=args.clip,
+                                nvme_dir=args.nvme_row_dir if row.offload == "nvme" else None)
+    engine = offload.initialize(model, cfg)
+    waits: list[float] = []
+
+    def step() -> None:
+        engine.backward(lm_loss(model, ids))
+        engine.step()
+        waits.append(engine.last_report.comm_wait_s)
+
+    try:
+        step_s = timed(step, args.warmup, args.steps)
+        rep = engine.account.report()
+        sent = {k: v for k, v in engine.last_report.bytes.items() if k in COLLECTIVES and v}
+    finally:
+        engine.close()
+    tiers = {t: {k: v for k, v in kinds.items() if v} for t, kinds in rep.items() if kinds["total"]}
+    kind_sum = lambda *kinds: sum(v.get(k, 0) for v in rep.values() for k in kinds)  # noqa: E731
+    return {"step_s": step_s, "comm_wait_s": statistics.median(waits[args.warmup:]), "sent": sent,
+            "tiers": tiers, "weights": kind_sum("weights"), "grads": kind_sum("grads"),
+            "state": kind_sum("masters", "moments"), "masters": kind_sum("masters")}
+
+
+def run_torch(row: Row, args: argparse.Namespace, ids: torch.Tensor, rank: int) -> dict:
+    """FSDP2 (row.kind "fsdp2", each decoder layer and the whole model a unit) or the plain
+    loop: torch.optim.AdamW and clip_grad_norm_ (over DTensors: the norm is all-reduced)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    note = ""
+    model = make_model(args)
+    if row.kind == "fsdp2":
+        def shard(pin: bool) -> torch.nn.Module:
+            m = make_model(args)
+            kw = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if row.offload == "cpu" else {}
+            for layer in m.model.layers:
+                fully_shard(layer, **kw)
+            return fully_shard(m, **kw)
+        try:
+            model = shard(pin=True)  # the policy's default
+        except RuntimeError as e:  # no accelerator to pin for: try the unpinned policy
+            if row.offload != "cpu":
+                raise
+            note = (f"CPUOffloadPolicy() failed: {str(e).splitlines()[0]}; "
+                    f"ran CPUOffloadPolicy(pin_memory=False)")
+            model = shard(pin=False)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    held: dict[str, int] = {}
+
+    def step() -> None:
+        lm_loss(model, ids).backward()
+        torch.nn.utils.clip_grad_norm_(params, args.clip)
+        opt.step()
+        held["grads"] = sum(local_bytes(p.grad) for p in params)  # the most held: before zeroing
+        opt.zero_grad(set_to_none=True)
+
+    step_s = timed(step, args.warmup, args.steps)
+    state = sum(local_bytes(v) for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    return {"step_s": step_s, "comm_wait_s": None, "sent": {}, "tiers": {}, "note": note,
+            "weights": sum(local_bytes(p) for p in params), "grads": held["grads"],
+            "state": state, "masters": 0}
+
+
+def worker(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    row, args = Row(**spec["row"]), argparse.Namespace(**spec["args"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores // world))  # N ranks share this machine's cores
+    if world > 1:  # ours, with a short timeout: a dead peer ends the row, not after 30 min
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    g = torch.Generator().manual_seed(1)  # the same global batch on every rank
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    per = args.batch // world
+    mine = ids[rank * per:(rank + 1) * per]
+    rss0 = psutil.Process().memory_info().rss
+    out = (run_offload if row.kind == "offload" else run_torch)(row, args, mine, rank)
+    out.update(rss=psutil.Process().memory_info().rss, rss_growth=psutil.Process().memory_info().rss
+               - rss0, peak_rss=peak_rss_bytes(), threads=torch.get_num_threads())
+    with open(os.path.join(spec["out_dir"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -- the launcher ---------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(row: Row, args: argparse.Namespace, tmp: str) -> list[dict]:
+    """Run `row` as row.world rank processes; every rank's result. On a failed or stuck rank,
+    kill the others (they would wait in a collective) and raise with that rank's last line."""
+    out_dir = tempfile.mkdtemp(dir=tmp)
+    spec_path = os.path.join(out_dir, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump({"row": asdict(row), "args": vars(args), "out_dir": out_dir}, f)
+    port, threads = free_port(), max(1, len(os.sched_getaffinity(0)) // row.world)
+    procs, logs = [], []
+    for r in range(row.world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(row.world), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+        logs.append(open(os.path.join(out_dir, f"rank{r}.log"), "w"))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
+                                       spec_path], env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+    deadline, failed = time.monotonic() + args.timeout, None
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+            if failed is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+    finally:
+        for p in procs:  # only ours, by their Popen handles
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    if failed is None and any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"{row.name}: ranks still running after --timeout {args.timeout:.0f} s")
+    if failed is not None:
+        with open(os.path.join(out_dir, f"rank{failed}.log")) as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+        raise RuntimeError(f"{row.name}: rank {failed} exited {procs[failed].returncode}: "
+                           f"{lines[-1] if lines else '(no output)'}")
+    results = []
+    for r in range(row.world):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+def formula(row: Row, phi: int) -> dict[str, float]:
+    """ZeRO's per-rank model-state bytes (fp32: weights 4Φ, grads 4Φ, state KΦ), the state
+    sharded from stage 1, gradients from stage 2, weights at stage 3 (FSDP2); and what a rank
+    sends per update: 2Φ(N-1)/N elements of 4 bytes (0 in one process)."""
+    n = row.world
+    return {"weights": 4 * phi / (n if row.stage >= 3 else 1),
+            "grads": 4 * phi / (n if row.stage >= 2 else 1),
+            "state": row.state_bytes * phi / (n if row.stage >= 1 else 1),
+            "sent": 2 * phi * (n - 1) / n * 4}
+
+
+def mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / MIB:.1f}"
+
+
+HEAD = (f"{'row':<18} {'N':>2} {'step s':>7} {'vs s0':>6} {'comm s':>7}   "
+        f"{'weights':>13} {'grads':>13} {'state':>13}   {'sent/update':>15}  "
+        f"{'rss':>6} {'+rss':>6}")
+
+
+def print_row(row: Row, res: list[dict], phi: int, base: float | None) -> float:
+    """One line: the slowest rank's median step time, the largest rank's bytes (MiB, measured
+    / formula); returns that step time."""
+    step = max(statistics.median(r["step_s"]) for r in res)
+    f = formula(row, phi)
+    pair = lambda k: f"{mib(max(r[k] for r in res))}/{mib(f[k])}"  # noqa: E731
+    wait = [r["comm_wait_s"] for r in res if r["comm_wait_s"] is not None]
+    sent = max(sum(r["sent"].values()) for r in res)
+    sent_s = f"{mib(sent)}/{mib(f['sent'])}" if row.kind == "offload" else "-"
+    ratio = f"{step / base:6.2f}" if base else "     -"
+    print(f"{row.name:<18} {row.world:>2} {step:7.3f} {ratio} "
+          f"{(f'{max(wait):7.3f}' if wait else '      -')}   {pair('weights'):>13} "
+          f"{pair('grads'):>13} {pair('state'):>13}   {sent_s:>15}  "
+          f"{mib(max(r['rss'] for r in res)):>6} {mib(max(r['rss_growth'] for r in res)):>6}",
+          flush=True)
+    return step
+
+
+def details(row: Row, res: list[dict]) -> list[str]:
+    out = []
+    for rank, r in enumerate(res):
+        tiers = "; ".join(f"{t}: " + ", ".join(f"{k} {mib(v)}" for k, v in kinds.items())
+                          for t, kinds in r["tiers"].items())
+        sent = ", ".join(f"{SHORT[k]} {mib(v)}" for k, v in r["sent"].items())
+        if tiers or sent:
+            out.append(f"  {row.name:<18} rank {rank}  {tiers}" + (f"  | sent {sent}" if sent else ""))
+        if rank == 0 and r["masters"] and not r["weights"]:
+            out.append(f"  {row.name:<18} weights 0: the parameters are views of the fp32 masters")
+        if rank == 0 and r.get("note"):
+            out.append(f"  {row.name:<18} note: {r['note']}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2, help="data-parallel processes (default 2)")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4, help="global batch (rows), split across ranks")
+    ap.add_argument("--steps", type=int, default=5, help="timed updates per row (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--nvme-dir", default=None, help="add nvme rows, swap files under this folder")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds a row may take")
+    ap.add_argument("--rows", nargs="+", default=None, help="only the rows whose name starts so")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker)
+    if args.batch % args.ranks:
+        ap.error(f"--batch {args.batch} does not split into --ranks {args.ranks} equal slices")
+    rows = [r for r in plan_rows(args) if not args.rows or any(r.name.startswith(p) for p in args.rows)]
+    phi = sum(p.numel() for p in make_model(args).parameters())
+    print(f"{datetime.datetime.now().isoformat(timespec='seconds')}  CPU: {cpu_model()} "
+          f"({len(os.sched_getaffinity(0))} cores)  torch {torch.__version__}")
+    print(f"Llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}: Φ = {phi:,} "
+          f"params, fp32; global batch {args.batch} x {args.seq}; AdamW lr {args.lr}, clip "
+          f"{args.clip}; {args.ranks} ranks (gloo); median of {args.steps} updates after "
+          f"{args.warmup} warm-up")
+    print("bytes: MiB, measured/formula, the largest rank; formula: weights 4Φ, grads 4Φ, state "
+          "12Φ (engine: masters+moments) or 8Φ (torch AdamW: moments), /N from stage 1 (state), "
+          "2 (grads), 3 (FSDP2: weights); sent/update: 2Φ(N-1)/N x 4 B; step: slowest rank; "
+          "rss: MiB at the end, +rss: growth since before the model was built")
+    print(HEAD)
+    tmp = tempfile.mkdtemp(prefix="bench-zero-")
+    args.nvme_row_dir = None
+    base, notes = None, []
+    try:
+        for row in rows:
+            if args.nvme_dir:  # a fresh swap folder per row (the engine adds rank folders)
+                args.nvme_row_dir = tempfile.mkdtemp(prefix="bench-zero-", dir=args.nvme_dir)
+            try:
+                res = launch(row, args, tmp)
+            finally:
+                if args.nvme_row_dir:
+                    shutil.rmtree(args.nvme_row_dir, ignore_errors=True)
+            step = print_row(row, res, phi, base)
+            if row.name == "offload s0 cpu":
+                base = step  # "vs s0": every later row against plain data parallelism (ours)
+            notes += details(row, res)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("\n".join(notes))
+
+
+def _unused(x: Any) -> None:  # pragma: no cover
+    pass
+
+
+if __name__ == "__main__":
+    main()
