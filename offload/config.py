@@ -58,7 +58,8 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 Placement = Literal["none", "cpu", "nvme"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 StepPathName = Literal["after", "overlapped", "delayed"]  # how the step meets backward
-GradStorageName = Literal["per_block", "pooled", "double", "adopted"]  # offload/grad_storage.py
+# offload/grad_storage.py; "sharded": ZeRO stage 2's (offload/zero_grads.py)
+GradStorageName = Literal["per_block", "pooled", "double", "adopted", "sharded"]
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
                   "half": "fp16"}
 
@@ -287,11 +288,12 @@ class OffloadConfig:
         "pooled" needs the overlapped step (each block consumed as soon as it lands), no
         accumulation (nothing kept between micro-batches) and host landing, and pays off only
         with more blocks than buffers; "double" is the delayed update's; otherwise "per_block".
-        Across ranks (`world` > 1) always "per_block": the collectives run on whole, padded
-        block buffers. One answer for the engine and the planner."""
+        Across ranks (`world` > 1): "sharded" at ZeRO stage 2 (each rank keeps its shard of
+        each gradient), else "per_block" (the collectives run on whole, padded block buffers).
+        One answer for the engine and the planner."""
         path = self.step_path(world)[0]
         if world > 1:
-            return "per_block", 0
+            return ("sharded" if self.zero_stage >= 2 else "per_block"), 0
         if path == "delayed":
             return "double", 0
         if path == "after" and self.grad_accum_steps == 1 and device.type == "cpu":

@@ -123,7 +123,7 @@ class Engine:
             landing_tier="device" if cfg.offload == "none" else "host",
             storage=storage, pool_buffers=pool,
             pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None,
-            buffer_numels=self._padded_numels())
+            buffer_numels=self._padded_numels(), zero=self.zero, step_order=self.step_order())
         self.grads.attach()
         if self.cuda:  # updated 16-bit weights go up on this stream (stepper.py)
             self.h2d_stream = torch.cuda.Stream(self.device)
@@ -246,6 +246,15 @@ class Engine:
             return None
         return [self.zero.shards(b.numel).padded for b in self.blocks]
 
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """This rank's shard of each block's averaged gradient (its part of the global norm)."""
+        out = []
+        for bi, b in enumerate(self.blocks):
+            lo, hi = self.zero.shards(b.numel).range(self.zero.rank)
+            out.append(self.grads.step_pieces(bi)[lo] if self.grads.sharded
+                       else self.grads.buffer(bi)[lo:hi])
+        return out
+
     def owned(self, bi: int) -> tuple[int, int]:
         """[lo, hi) of block bi that this rank steps (the whole block in one process)."""
         if self.zero is None:
@@ -358,6 +367,7 @@ class Engine:
             self._gpu_timer.start("backward")
         try:
             scaled.backward()
+            self.grads.end_micro()  # stage 2: the blocks not reduced during backward
         finally:
             if self._gpu_timer is not None:
                 self._gpu_timer.stop("backward")
@@ -391,8 +401,9 @@ class Engine:
             self._next_missing = self.zero.agree_missing(
                 self.param_names, self._next_missing,
                 {s.name: bi for bi, b in enumerate(self.blocks) for s in b.slots})
-            rep.comm_wait_s += self.zero.reduce_grads(
-                self.grads.landing, [b.numel for b in self.blocks], self.step_order())
+            if not self.grads.sharded:  # stage 2 reduced each block during backward
+                rep.comm_wait_s += self.zero.reduce_grads(
+                    self.grads.landing, [b.numel for b in self.blocks], self.step_order())
         applied = self.path.step(rep)
         if applied and self.gathers_weights:  # every rank's new shard to every rank
             rep.comm_wait_s += self.zero.gather_weights(self.flat16_padded, self.step_order())
@@ -429,8 +440,7 @@ class Engine:
         cfg = self.cfg
         fp16 = cfg.dtype == "fp16"
         if self.zero is not None:  # of the averaged gradients, over every rank's shards
-            total = self.zero.global_norm(self.grads.landing, [b.numel for b in self.blocks],
-                                          self.losses_finite())
+            total = self.zero.global_norm(self._owned_grads(), self.losses_finite())
         else:  # of the (loss-scaled) gradients
             total = self.grads.global_norm(self._norm_order)
         if not (self.losses_finite() and bool(torch.isfinite(total))):

@@ -73,11 +73,15 @@ class GradLanding:
                  source_device: torch.device = torch.device("cpu"),
                  landing_tier: Literal["device", "host"] = "host", pin: bool = False,
                  storage: GradStorageName = "per_block", pool_buffers: int = 0,
-                 pooled_blocks: set[int] | None = None, buffer_numels: list[int] | None = None):
+                 pooled_blocks: set[int] | None = None, buffer_numels: list[int] | None = None,
+                 zero=None, step_order: list[int] | None = None):
         """`landing_tier`: "device" keeps gradients where they are made (offload="none"), "host"
         moves them to host RAM; `storage` and `pool_buffers`: OffloadConfig.grad_landing();
         `buffer_numels`: landing buffer lengths when longer than the blocks (ZeRO's padding to
-        equal shards, offload/zero.py; the tail stays zero)."""
+        equal shards, offload/zero.py; the tail stays zero). `zero`: the data-parallel group
+        across ranks; its gradients are averaged later, so no per-parameter norm is taken here
+        (ZeroGroup.global_norm takes it), and storage "sharded" (stage 2) reduces each block
+        in `step_order` during backward (offload/zero_grads.py)."""
         self.blocks = blocks
         self.grad_dtype = grad_dtype
         self.accum_steps = accum_steps
@@ -89,7 +93,14 @@ class GradLanding:
         # precision, so with accumulation the landing buffer is fp32.
         self.landing_dtype = landing_dtype(grad_dtype, accum_steps)
         numels = buffer_numels or [b.numel for b in blocks]
-        if storage == "pooled":
+        self.local_norms = zero is None
+        if storage == "sharded":
+            from offload.zero_grads import ShardedLanding
+            where = source_device if landing_tier == "device" else torch.device("cpu")
+            self.storage = ShardedLanding(
+                [b.numel for b in blocks], numels, self.landing_dtype, where, landing_tier, pin,
+                account, zero, step_order, [len(b.slots) for b in blocks])
+        elif storage == "pooled":
             assert accum_steps == 1 and landing_tier == "host" and pool_buffers > 0, \
                 "pooled landing needs accum 1 on the host"
             self.storage = Pooled(
@@ -120,7 +131,7 @@ class GradLanding:
     def plan_bytes(numels: list[int], grad_dtype: torch.dtype, accum_steps: int, *,
                    cuda: bool, landing_tier: Literal["device", "host"], storage: GradStorageName,
                    pool_buffers: int, pooled_blocks: set[int] | None,
-                   pin: Callable[[int], int]) -> PlanBytes:
+                   pin: Callable[[int], int], world: int = 1) -> PlanBytes:
         """What the constructor with these arguments allocates (`cuda`: gradients come from a
         GPU; `pin`: pinned_bytes when host buffers are pinned)."""
         itemsize = landing_dtype(grad_dtype, accum_steps).itemsize
@@ -130,6 +141,9 @@ class GradLanding:
             out = Pooled.plan_bytes(numels, itemsize, pool_buffers, pooled, host_pin)
         elif storage == "adopted":
             out = Adopted.plan_bytes(numels, itemsize, landing_tier)
+        elif storage == "sharded":
+            from offload.zero_grads import ShardedLanding
+            out = ShardedLanding.plan_bytes(numels, itemsize, landing_tier, world, host_pin)
         else:
             kind = {"double": Double, "per_block": PerBlock}[storage]
             out = kind.plan_bytes(numels, itemsize, landing_tier, host_pin)
@@ -150,6 +164,27 @@ class GradLanding:
     @property
     def pooled(self) -> bool:
         return isinstance(self.storage, Pooled)
+
+    @property
+    def sharded(self) -> bool:
+        """ZeRO stage 2: only this rank's shard of each gradient is kept (zero_grads.py)."""
+        return getattr(self.storage, "kind", None) == "sharded"
+
+    def step_pieces(self, bi: int) -> dict[int, torch.Tensor]:
+        """Block bi's gradient for the step as {first block offset: flat tensor}: the whole
+        landing buffer, one tensor per slot (adopted), or this rank's shard (stage 2)."""
+        if self.adopted:
+            return {s.offset: self.storage.slot(bi, s.name) for s in self.blocks[bi].slots}
+        if self.sharded:
+            return {self.storage.ranges[bi][0]: self.storage.owned(bi)}
+        return {0: self.buffer(bi)}
+
+    def end_micro(self) -> None:
+        """After a backward returned: stage 2 reduces every block not reduced yet (its
+        gradients landed first: on CUDA, a wait for the copies of this micro-batch)."""
+        if self.sharded:
+            self.transport.wait()
+            self.storage.end_micro()
 
     @property
     def stream(self):
@@ -234,13 +269,16 @@ class GradLanding:
             dst.copy_(src)
         else:
             dst.add_(src)
+        if self.sharded:  # the block's last gradient of this micro-batch starts its reduction
+            self.storage.block_landed(bi)
         return True
 
     def after_land(self, bi: int, slot: ParamSlot) -> None:
-        dst = self.slot_grad(bi, slot)
-        # norm in fp32 whatever the landing dtype: the same number clip_grad_norm_ computes
-        # per parameter before combining them.
-        self.slot_norm[slot.name] = fp32_norm(dst)
+        if self.local_norms:
+            dst = self.slot_grad(bi, slot)
+            # norm in fp32 whatever the landing dtype: the same number clip_grad_norm_
+            # computes per parameter before combining them.
+            self.slot_norm[slot.name] = fp32_norm(dst)
         landed = self.landed[bi]
         landed.add(slot.name)
         # read once: on CUDA this runs on the landing worker while the main thread clears the
@@ -267,6 +305,8 @@ class GradLanding:
                     continue
                 if slot.name in self.touched[bi]:
                     self.after_land(bi, slot)  # on_block_done is unset: step() steps it
+                elif self.sharded:  # zeros took part in its reduction (zero_grads.py)
+                    self.landed[bi].add(slot.name)
                 else:
                     if self.adopted:  # zeros to step from, as PerBlock's
                         self.storage.adopt(bi, slot.name, torch.zeros(
@@ -278,6 +318,8 @@ class GradLanding:
                     self.slot_norm[slot.name] = torch.zeros((), dtype=torch.float32,
                                                             device=dst.device)
                     self.landed[bi].add(slot.name)
+        if self.sharded:
+            self.storage.finish_window()
 
     def missing(self) -> dict[int, set[str]]:
         """{block index: names of its slots that got no gradient in this window} (after

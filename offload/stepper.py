@@ -148,11 +148,10 @@ class BlockStepper:
         out16, where = self._target(u, bi)
         # the gradient as (first block offset, flat tensor) pieces: the whole block's, or one
         # per slot where they were adopted as autograd made them (grad_storage.Adopted)
+        # (or this rank's shard of it, ZeRO stage 2: keyed by the shard's first offset)
         per_slot = grad is None and e.grads.adopted
-        if per_slot:
-            pieces = {s.offset: e.grads.slot_grad(bi, s) for s in e.blocks[bi].slots}
-        else:
-            pieces = {0: e.grads.buffer(bi) if grad is None else grad}
+        pieces = e.grads.step_pieces(bi) if grad is None else {0: grad}
+        whole_base = next(iter(pieces))
         segments = self._segments(u, bi, per_slot)
         fp32 = e.dtype == torch.float32
         for unit, lo, hi in e.state.units_of(bi):  # sub-groups of a large block, in order
@@ -167,7 +166,7 @@ class BlockStepper:
                     if not fp32:
                         out16[a:b].copy_(master[m])
                     continue
-                base = begin if per_slot else 0
+                base = begin if per_slot else whole_base
                 g = pieces[base][a - base:b - base]
                 self.kernel(master[m], exp_avg[m], exp_avg_sq[m], g, step=step, lr=u.lr,
                             beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,

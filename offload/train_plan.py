@@ -149,7 +149,7 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     parts.append(GradLanding.plan_bytes(
         padded, cfg.torch_dtype, cfg.grad_accum_steps, cuda=cuda,
         landing_tier="device" if cfg.offload == "none" else "host", storage=storage,
-        pool_buffers=pool, pooled_blocks=set(layers) or None, pin=pin))
+        pool_buffers=pool, pooled_blocks=set(layers) or None, pin=pin, world=world))
     parts.append(BlockStepper.plan_bytes(
         sizes, streamed_sizes if cfg.offload_params == "nvme" else [], itemsize, cuda=cuda,
         offload=cfg.offload, buffer_count=cfg.buffer_count, pin=pin))

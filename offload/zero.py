@@ -12,8 +12,10 @@ tensor, with equal parts, as NCCL and gloo want them.
   stage 1  rank r keeps masters and moments of its shards only; gradients are
            reduce-scattered (each rank receives the averaged sum of its own shard), each
            rank steps its shard, and the updated 16-bit shards are all-gathered.
-  stage 2  as stage 1 on the wire; the gradients a rank keeps between the reduction and its
-           step are its shard only.
+  stage 2  as stage 1, but each block's gradient is reduce-scattered during backward, every
+           micro-batch, as soon as it is complete, and a rank keeps only its shard of it
+           (offload/zero_grads.py): the gradients take 1/N of the memory, and with gradient
+           accumulation the reduction runs once per micro-batch instead of once per update.
 
 Per update a rank sends (ring algorithms, n elements of the block): all-reduce 2n(N-1)/N,
 reduce-scatter and all-gather n(N-1)/N each -- so stages 0, 1 and 2 move the same 2Φ elements
@@ -189,15 +191,25 @@ class ZeroGroup:
         self.comm.wait_s += waited
         return waited
 
-    def global_norm(self, buffers: list[torch.Tensor], numels: list[int],
-                    losses_finite: bool) -> torch.Tensor:
+    def reduce_scatter_async(self, out: torch.Tensor, whole: torch.Tensor):
+        """Start summing `whole` (a padded block buffer) over ranks into `out` (this rank's
+        [S] part); returns the work to wait() for (stage 2's landing, offload/zero_grads.py)."""
+        self.comm.add("reduce_scatter", whole.numel(), whole.element_size(), self.world)
+        return dist.reduce_scatter_tensor(out, whole, group=self.group, async_op=True)
+
+    def wait(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.comm.wait_s += time.perf_counter() - t0
+
+    def global_norm(self, owned: list[torch.Tensor], losses_finite: bool) -> torch.Tensor:
         """The L2 norm of the whole averaged gradient (fp32 0-d), inf when a loss on any rank
-        was not: each rank sums the squares of its shards in fp64, one all-reduce adds them."""
+        was not: each rank sums the squares of its shards (`owned`: this rank's [lo, hi) of
+        each block's averaged gradient) in fp64, one all-reduce adds them."""
         pair = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for buf, n in zip(buffers, numels):
-            lo, hi = self.shards(n).range(self.rank)
-            if hi > lo:
-                pair[0] += torch.linalg.vector_norm(buf[lo:hi], dtype=torch.float64).to(self.device) ** 2
+        for grad in owned:
+            if grad.numel():
+                pair[0] += torch.linalg.vector_norm(grad, dtype=torch.float64).to(self.device) ** 2
         pair[1] = 0.0 if losses_finite else 1.0
         dist.all_reduce(pair, group=self.group)
         total = pair.cpu()  # the host needs it now (the clip coefficient): one small sync

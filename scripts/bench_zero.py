@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import psutil
 import torch
@@ -34,10 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import offload  # noqa: E402
-from offload.tiers import cpu_model, peak_rss_bytes  # noqa: E402
+from offload.tiers import cpu_model  # noqa: E402
 
 MIB = 2**20
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+BASE_ROW = "offload s0 cpu"  # "vs s0": every row against plain data parallelism (ours)
 SHORT = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag"}
 
 
@@ -99,7 +99,7 @@ def timed(step, warmup: int, steps: int) -> list[float]:
     return out
 
 
-def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor, rank: int) -> dict:
+def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     model = make_model(args)
     cfg = offload.OffloadConfig(zero_stage=row.stage, offload=row.offload, dtype="fp32",
                                 device="cpu", lr=args.lr, weight_decay=0.01, grad_clip=args.clip,
@@ -114,24 +114,27 @@ def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor, rank: int
 
     try:
         step_s = timed(step, args.warmup, args.steps)
-        rep = engine.account.report()
+        rep, peaks = engine.account.report(), engine.account.kind_peaks()
         sent = {k: v for k, v in engine.last_report.bytes.items() if k in COLLECTIVES and v}
     finally:
         engine.close()
     tiers = {t: {k: v for k, v in kinds.items() if v} for t, kinds in rep.items() if kinds["total"]}
-    kind_sum = lambda *kinds: sum(v.get(k, 0) for v in rep.values() for k in kinds)  # noqa: E731
+    # each kind's most bytes held at once, over all tiers: adopted gradients (one process) are
+    # autograd's own and counted only between backward and the step, so not at the end
+    kind_sum = lambda *kinds: sum(v for (_, k), v in peaks.items() if k in kinds)  # noqa: E731
     return {"step_s": step_s, "comm_wait_s": statistics.median(waits[args.warmup:]), "sent": sent,
             "tiers": tiers, "weights": kind_sum("weights"), "grads": kind_sum("grads"),
             "state": kind_sum("masters", "moments"), "masters": kind_sum("masters")}
 
 
-def run_torch(row: Row, args: argparse.Namespace, ids: torch.Tensor, rank: int) -> dict:
+def run_torch(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     """FSDP2 (row.kind "fsdp2", each decoder layer and the whole model a unit) or the plain
     loop: torch.optim.AdamW and clip_grad_norm_ (over DTensors: the norm is all-reduced)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     note = ""
-    model = make_model(args)
-    if row.kind == "fsdp2":
+    if row.kind == "torch":
+        model = make_model(args)
+    else:
         def shard(pin: bool) -> torch.nn.Module:
             m = make_model(args)
             kw = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if row.offload == "cpu" else {}
@@ -179,9 +182,9 @@ def worker(spec_path: str) -> None:
     per = args.batch // world
     mine = ids[rank * per:(rank + 1) * per]
     rss0 = psutil.Process().memory_info().rss
-    out = (run_offload if row.kind == "offload" else run_torch)(row, args, mine, rank)
-    out.update(rss=psutil.Process().memory_info().rss, rss_growth=psutil.Process().memory_info().rss
-               - rss0, peak_rss=peak_rss_bytes(), threads=torch.get_num_threads())
+    out = (run_offload if row.kind == "offload" else run_torch)(row, args, mine)
+    rss = psutil.Process().memory_info().rss
+    out.update(rss=rss, rss_growth=rss - rss0)
     with open(os.path.join(spec["out_dir"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     if world > 1:
@@ -213,12 +216,15 @@ def launch(row: Row, args: argparse.Namespace, tmp: str) -> list[dict]:
                                        spec_path], env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
     deadline, failed = time.monotonic() + args.timeout, None
     try:
-        while any(p.poll() is None for p in procs):
-            failed = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
-            if failed is not None or time.monotonic() > deadline:
+        while failed is None and time.monotonic() < deadline:
+            # a rank's peers fail soon after it (gloo: "connection closed by peer"): the first
+            # seen, and among those seen together one killed by a signal, is the cause
+            done = sorted((p.returncode >= 0, r) for r, p in enumerate(procs)
+                          if p.poll() not in (None, 0))
+            failed = done[0][1] if done else None
+            if all(p.returncode == 0 for p in procs):
                 break
-            time.sleep(0.2)
-        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+            time.sleep(0.1)
     finally:
         for p in procs:  # only ours, by their Popen handles
             if p.poll() is None:
@@ -231,7 +237,9 @@ def launch(row: Row, args: argparse.Namespace, tmp: str) -> list[dict]:
     if failed is not None:
         with open(os.path.join(out_dir, f"rank{failed}.log")) as f:
             lines = [ln.strip() for ln in f if ln.strip()]
-        raise RuntimeError(f"{row.name}: rank {failed} exited {procs[failed].returncode}: "
+        rc = procs[failed].returncode
+        how = f"killed by signal {-rc}" if rc < 0 else f"exited {rc}"
+        raise RuntimeError(f"{row.name}: rank {failed} {how}: "
                            f"{lines[-1] if lines else '(no output)'}")
     results = []
     for r in range(row.world):
@@ -268,7 +276,8 @@ def print_row(row: Row, res: list[dict], phi: int, base: float | None) -> float:
     pair = lambda k: f"{mib(max(r[k] for r in res))}/{mib(f[k])}"  # noqa: E731
     wait = [r["comm_wait_s"] for r in res if r["comm_wait_s"] is not None]
     sent = max(sum(r["sent"].values()) for r in res)
-    sent_s = f"{mib(sent)}/{mib(f['sent'])}" if row.kind == "offload" else "-"
+    sent_s = f"{mib(sent)}/{mib(f['sent'])}" if row.kind == "offload" and row.world > 1 else "-"
+    base = base or (step if row.name == BASE_ROW else None)
     ratio = f"{step / base:6.2f}" if base else "     -"
     print(f"{row.name:<18} {row.world:>2} {step:7.3f} {ratio} "
           f"{(f'{max(wait):7.3f}' if wait else '      -')}   {pair('weights'):>13} "
@@ -316,8 +325,10 @@ def main() -> None:
         ap.error(f"--batch {args.batch} does not split into --ranks {args.ranks} equal slices")
     rows = [r for r in plan_rows(args) if not args.rows or any(r.name.startswith(p) for p in args.rows)]
     phi = sum(p.numel() for p in make_model(args).parameters())
+    cores = len(os.sched_getaffinity(0))
     print(f"{datetime.datetime.now().isoformat(timespec='seconds')}  CPU: {cpu_model()} "
-          f"({len(os.sched_getaffinity(0))} cores)  torch {torch.__version__}")
+          f"({cores} cores; {max(1, cores // args.ranks)} threads per rank, {cores} in one "
+          f"process)  torch {torch.__version__}")
     print(f"Llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}: Φ = {phi:,} "
           f"params, fp32; global batch {args.batch} x {args.seq}; AdamW lr {args.lr}, clip "
           f"{args.clip}; {args.ranks} ranks (gloo); median of {args.steps} updates after "
@@ -340,8 +351,8 @@ def main() -> None:
                 if args.nvme_row_dir:
                     shutil.rmtree(args.nvme_row_dir, ignore_errors=True)
             step = print_row(row, res, phi, base)
-            if row.name == "offload s0 cpu":
-                base = step  # "vs s0": every later row against plain data parallelism (ours)
+            if row.name == BASE_ROW:
+                base = step
             notes += details(row, res)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -349,10 +360,6 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\n".join(notes))
-
-
-def _unused(x: Any) -> None:  # pragma: no cover
-    pass
 
 
 if __name__ == "__main__":

@@ -84,6 +84,32 @@ def rel_diff(a: dict, b: dict) -> float:
                 / b[k].double().abs().max().clamp_min(1e-12)).item() for k in a)
 
 
+def check_sent(sent: dict, stage: int, phi: int, world: int, accum: int) -> None:
+    """What one rank sent in an update (fp32): an all-reduce of 2 Phi (N-1)/N at stage 0; a
+    reduce-scatter and an all-gather of Phi (N-1)/N each from stage 1 on -- the same 2 Phi
+    (N-1)/N -- except that stage 2 reduces every micro-batch (accum times)."""
+    part = phi * (world - 1) / world * 4
+    want = ({"all_reduce": 2 * part} if stage == 0 else
+            {"reduce_scatter": part * (accum if stage == 2 else 1), "all_gather": part})
+    assert set(sent) == set(want), (stage, sent)
+    for k, v in want.items():
+        assert abs(sent[k] - v) <= 0.05 * v, (stage, k, sent[k], v)
+
+
+def check_state_bytes(memory: list[dict], stage: int, offload: str, phi: int, world: int) -> None:
+    """Per rank, fp32: masters and moments 12 Phi at stage 0 and 12 Phi / N from stage 1;
+    gradients 4 Phi, / N at stage 2 (whole-block buffers in flight count as buffers)."""
+    tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
+    grads_tier = "device" if offload == "none" else "host"
+    for rank_mem in memory:
+        state = rank_mem[tier]["masters"] + rank_mem[tier]["moments"]
+        want = 12 * phi / (world if stage >= 1 else 1)
+        assert abs(state - want) <= 0.05 * want, (stage, offload, state, want)
+        grads = rank_mem[grads_tier]["grads"]
+        want = 4 * phi / (world if stage == 2 else 1)
+        assert abs(grads - want) <= 0.05 * want, (stage, offload, grads, want)
+
+
 CONFIGS = [(stage, offload) for stage in (0, 1, 2) for offload in ("none", "cpu", "nvme")]
 
 
@@ -107,18 +133,8 @@ def test_ranks_match_one_process_adamw(world, kind, tmp_path):
         worst = max(worst, d, dl)
         assert d <= TOLERANCE and dl <= TOLERANCE, (stage, offload, d, dl)
         assert len(res["sent"]) == UPDATES
-        # what one rank sent per update: 2 Phi (N-1)/N elements at every stage (fp32 here),
-        # an all-reduce at stage 0, a reduce-scatter and an all-gather of Phi (N-1)/N each after
-        sent = res["sent"][-1]
-        expect = 2 * phi * (world - 1) / world * 4
-        assert set(sent) == ({"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"})
-        assert abs(sum(sent.values()) - expect) <= 0.05 * expect, (stage, sent, expect)
-        # optimizer state per rank: 12 Phi bytes at stage 0, 12 Phi / N from stage 1 on
-        tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
-        for rank_mem in res["memory"]:
-            state = rank_mem[tier]["masters"] + rank_mem[tier]["moments"]
-            want = 12 * phi / (world if stage >= 1 else 1)
-            assert abs(state - want) <= 0.05 * want, (stage, offload, state, want)
+        check_sent(res["sent"][-1], stage, phi, world, ACCUM)
+        check_state_bytes(res["memory"], stage, offload, phi, world)
     print(f"\nworld {world} {kind}: worst relative difference to one-process AdamW {worst:.2e}")
 
 
