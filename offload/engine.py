@@ -43,7 +43,7 @@ from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_repor
                            peak_rss_bytes, large_frees_to_os, started_worker)
 from offload.train_plan import plan_training
 from offload.train_stream import TrainingStreamer
-from offload.zero import ZeroGroup, ensure_process_group, env_world
+from offload.zero import BlockReducer, ZeroGroup, ensure_process_group, env_world
 
 
 def _counter(name: str, doc: str) -> property:
@@ -125,6 +125,10 @@ class Engine:
             pooled_blocks={i for i, b in enumerate(self.blocks) if b.module is not None} or None,
             buffer_numels=self._padded_numels(), zero=self.zero, step_order=self.step_order())
         self.grads.attach()
+        # stages 0-1 across ranks: each block's gradient averaged once final (offload/zero.py)
+        self.reducer = (BlockReducer(self.zero, self.grads.buffer, [b.numel for b in self.blocks],
+                                     self.step_order())
+                        if self.zero is not None and not self.grads.sharded else None)
         if self.cuda:  # updated 16-bit weights go up on this stream (stepper.py)
             self.h2d_stream = torch.cuda.Stream(self.device)
         self.stepper = BlockStepper(self)
@@ -360,6 +364,10 @@ class Engine:
         # (a device sync on CUDA); step() reads them all at once, where it waits anyway
         self._loss_finite.append(torch.isfinite(loss.detach()))
         self.path.backward_begins(self.grads.is_last_micro)
+        if self.reducer is not None and self.grads.is_last_micro:
+            # each block's reduction starts as its final gradients land (the after-backward
+            # path, the only one across ranks, sets no callback of its own)
+            self.grads.on_block_done = self.reducer.complete
         t0 = time.perf_counter()
         # loss / accum (not loss * (1/accum)): the same float the plain-PyTorch loop computes
         scaled = loss / accum if self.loss_scale == 1.0 else loss * self.loss_scale / accum
@@ -401,9 +409,8 @@ class Engine:
             self._next_missing = self.zero.agree_missing(
                 self.param_names, self._next_missing,
                 {s.name: bi for bi, b in enumerate(self.blocks) for s in b.slots})
-            if not self.grads.sharded:  # stage 2 reduced each block during backward
-                rep.comm_wait_s += self.zero.reduce_grads(
-                    self.grads.landing, [b.numel for b in self.blocks], self.step_order())
+            if self.reducer is not None:  # stage 2 reduced each block during backward
+                rep.comm_wait_s += self.reducer.finish()
         applied = self.path.step(rep)
         if applied and self.gathers_weights:  # every rank's new shard to every rank
             rep.comm_wait_s += self.zero.gather_weights(self.flat16_padded, self.step_order())

@@ -161,36 +161,6 @@ class ZeroGroup:
                 out.setdefault(block_of[n], set()).add(n)
         return out
 
-    def reduce_grads(self, buffers: list[torch.Tensor], numels: list[int], order: list[int]) -> float:
-        """Average every block's gradient across ranks: all-reduced whole (stage 0) or
-        reduce-scattered so that this rank's shard holds the average (stages 1-2). `buffers`
-        are the padded landing buffers; issued in `order` (the same on every rank) as
-        asynchronous collectives that run back to back, then waited for. Seconds waited."""
-        t0 = time.perf_counter()
-        works = []
-        for bi in order:
-            buf, sh = buffers[bi], self.shards(numels[bi])
-            assert buf.numel() == sh.padded, (buf.numel(), sh.padded)
-            if self.stage == 0:
-                works.append((bi, None, dist.all_reduce(buf, group=self.group, async_op=True)))
-                self.comm.add("all_reduce", sh.padded, buf.element_size(), self.world)
-            else:
-                out = torch.empty(sh.size, dtype=buf.dtype, device=buf.device)
-                works.append((bi, out, dist.reduce_scatter_tensor(out, buf, group=self.group,
-                                                                  async_op=True)))
-                self.comm.add("reduce_scatter", sh.padded, buf.element_size(), self.world)
-        for bi, out, work in works:
-            work.wait()
-            buf, sh = buffers[bi], self.shards(numels[bi])
-            if out is None:
-                buf.div_(self.world)  # the mean over ranks: each rank's loss is its batch's mean
-            else:
-                lo = self.rank * sh.size
-                buf[lo:lo + sh.size].copy_(out).div_(self.world)
-        waited = time.perf_counter() - t0
-        self.comm.wait_s += waited
-        return waited
-
     def reduce_scatter_async(self, out: torch.Tensor, whole: torch.Tensor):
         """Start summing `whole` (a padded block buffer) over ranks into `out` (this rank's
         [S] part); returns the work to wait() for (stage 2's landing, offload/zero_grads.py)."""
@@ -255,3 +225,76 @@ class ZeroGroup:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+
+class InOrder:
+    """Runs `issue(block)` for blocks as they complete, but only in `order` (the same on every
+    rank): a block that completes early waits for the ones before it, so collectives pair up
+    across ranks whatever order each rank's blocks happened to finish in."""
+
+    def __init__(self, order: list[int], issue):
+        self.order, self.issue = order, issue
+        self.done: set[int] = set()
+        self.cursor = 0  # order[:cursor] issued
+
+    def complete(self, bi: int) -> None:
+        self.done.add(bi)
+        while self.cursor < len(self.order) and self.order[self.cursor] in self.done:
+            self.issue(self.order[self.cursor])
+            self.cursor += 1
+
+    def flush(self) -> None:
+        """Issue every block not issued yet, in order, and start over."""
+        for bi in self.order[self.cursor:]:
+            self.issue(bi)
+        self.done.clear()
+        self.cursor = 0
+
+
+class BlockReducer:
+    """Stages 0-1: each block's gradient is averaged across ranks once it is final -- started
+    during the window's last backward as each block completes (gloo and NCCL run it on their
+    own threads/streams while backward goes on), the rest at the step. All-reduced whole at
+    stage 0; at stage 1 reduce-scattered, and this rank's part of the buffer receives the mean
+    of its shard (the rest of the buffer is not read)."""
+
+    def __init__(self, zero: ZeroGroup, buffer, numels: list[int], order: list[int]):
+        self.zero, self.buffer, self.numels = zero, buffer, numels
+        self.works: list = []
+        self.blocks = InOrder(order, self._issue)
+
+    def complete(self, bi: int) -> None:
+        """Block bi's gradients are final (any thread that lands gradients)."""
+        self.blocks.complete(bi)
+
+    def _issue(self, bi: int) -> None:
+        z, buf = self.zero, self.buffer(bi)
+        sh = z.shards(self.numels[bi])
+        assert buf.numel() == sh.padded, (buf.numel(), sh.padded)
+        if z.stage == 0:
+            z.comm.add("all_reduce", sh.padded, buf.element_size(), z.world)
+            self.works.append((bi, None, dist.all_reduce(buf, group=z.group, async_op=True)))
+        else:
+            out = torch.empty(sh.size, dtype=buf.dtype, device=buf.device)
+            z.comm.add("reduce_scatter", sh.padded, buf.element_size(), z.world)
+            self.works.append((bi, out, dist.reduce_scatter_tensor(out, buf, group=z.group,
+                                                                   async_op=True)))
+
+    def finish(self) -> float:
+        """At the step (every gradient final, untouched slots zeroed): the blocks not started
+        yet, in order; then wait for all and turn sums into means. Seconds waited."""
+        t0 = time.perf_counter()
+        self.blocks.flush()
+        z = self.zero
+        for bi, out, work in self.works:
+            work.wait()
+            buf = self.buffer(bi)
+            if out is None:
+                buf.div_(z.world)  # the mean over ranks: each rank's loss is its batch's mean
+            else:
+                lo = z.rank * out.numel()
+                buf[lo:lo + out.numel()].copy_(out).div_(z.world)
+        self.works = []
+        waited = time.perf_counter() - t0
+        z.comm.wait_s += waited
+        return waited

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from offload.tiers import MemoryAccount, PlanBytes, host_zeros, no_pinning
+from offload.zero import InOrder
 
 IN_FLIGHT = 2  # reduce-scatters outstanding before the landing thread waits for the oldest
 
@@ -50,8 +51,7 @@ class ShardedLanding:
             account.add(tier, "grads", t.nbytes)
         self.landing: list[torch.Tensor | None] = [None] * len(numels)  # whole, this micro-batch
         self.landed_now = [0] * len(numels)  # slots landed in this micro-batch
-        self.issued: set[int] = set()
-        self.cursor = 0  # order[:cursor] issued in this micro-batch
+        self.blocks = InOrder(order, self._issue)  # reductions in step order on every rank
         self.works: deque = deque()  # (block, output [S], work, whole buffer)
         self.written: set[int] = set()  # shards holding a sum of this window
 
@@ -93,22 +93,13 @@ class ShardedLanding:
         the block (and any after it in order that were waiting) is reduced."""
         self.landed_now[bi] += 1
         if self.landed_now[bi] == self.slot_counts[bi]:
-            self._issue_ready()
-
-    def _issue_ready(self) -> None:
-        while self.cursor < len(self.order):
-            bi = self.order[self.cursor]
-            if self.landed_now[bi] < self.slot_counts[bi]:
-                return
-            self._issue(bi)
-            self.cursor += 1
+            self.blocks.complete(bi)
 
     def _issue(self, bi: int) -> None:
         whole = self.buffer(bi)
         self.landing[bi] = None
         out = torch.empty(self.padded[bi] // self.zero.world, dtype=self.dtype, device=self.device)
         self.works.append((bi, out, self.zero.reduce_scatter_async(out, whole), whole))
-        self.issued.add(bi)
         while len(self.works) > IN_FLIGHT:
             self._complete_oldest()
 
@@ -125,11 +116,8 @@ class ShardedLanding:
     def end_micro(self) -> None:
         """After a backward (its landing waited for): every block not reduced yet is, in
         order -- zeros for gradients this rank did not get."""
-        for bi in self.order[self.cursor:]:
-            self._issue(bi)
-        self.cursor = 0
+        self.blocks.flush()
         self.landed_now = [0] * len(self.numels)
-        self.issued.clear()
 
     def finish_window(self) -> None:
         """At the step: every reduction complete; a block no rank reduced into in this window
