@@ -80,14 +80,27 @@ def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[st
 
     directory = os.path.abspath(directory)
     tmp, old = directory + ".tmp", directory + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # across data-parallel ranks every rank writes its optimizer-state shards and takes part in
+    # gathering the weights; rank 0 writes the rest and swaps the directories, after everyone
+    zero = engine.zero
+    main = zero is None or zero.rank == 0
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
     try:
-        os.makedirs(tmp)
+        if main:
+            os.makedirs(tmp)
+        if zero is not None:
+            zero.barrier()  # tmp exists before any rank writes into it
         engine.save_state(os.path.join(tmp, "engine"))
-        save_pretrained(engine.iter_master_params(), os.path.join(tmp, "model"),
-                        config=model_config, dtype=export_dtype)
-        write_json_atomic(os.path.join(tmp, TRAINER_STATE), trainer_state)
-        _fsync_tree(tmp)
+        params = engine.iter_master_params()
+        if main:
+            save_pretrained(params, os.path.join(tmp, "model"), config=model_config,
+                            dtype=export_dtype)
+            write_json_atomic(os.path.join(tmp, TRAINER_STATE), trainer_state)
+            _fsync_tree(tmp)  # every rank's files: one machine or a shared filesystem
+        else:
+            for _ in params:  # the gather is collective; rank 0 writes
+                pass
     except OSError as e:
         # Nothing of the previous checkpoint was touched yet; free the space the partial copy
         # took (a full disk is the usual cause) and say what is still there.
@@ -97,12 +110,15 @@ def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[st
                                            f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
                                   + (f"; the previous checkpoint {kept} is intact (resume from it)"
                                      if kept else "; no earlier checkpoint exists")) from e
-    if os.path.exists(directory):
+    if main:
+        if os.path.exists(directory):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        fsync_dir(os.path.dirname(directory))
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    fsync_dir(os.path.dirname(directory))
-    shutil.rmtree(old, ignore_errors=True)
+    if zero is not None:
+        zero.barrier()  # no rank goes on before the checkpoint is in place
     return directory
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from typing import Any, Mapping
 
@@ -43,7 +42,7 @@ from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_repor
                            peak_rss_bytes, large_frees_to_os, started_worker)
 from offload.train_plan import plan_training
 from offload.train_stream import TrainingStreamer
-from offload.zero import BlockReducer, ZeroGroup, ensure_process_group, env_world
+from offload.zero import BlockReducer, ZeroGroup, ensure_process_group, env_world, rank_dir
 
 
 def _counter(name: str, doc: str) -> property:
@@ -292,8 +291,7 @@ class Engine:
         io = IOEngine(threads=cfg.io_threads, block_bytes=cfg.io_block_bytes,
                       queue_depth=cfg.io_queue_depth)
         # each rank its own directory: its own lock, manifest and shard files
-        directory = (cfg.nvme_dir if self.zero is None else
-                     os.path.join(cfg.nvme_dir, f"rank{self.zero.rank:05d}"))
+        directory = cfg.nvme_dir if self.zero is None else rank_dir(cfg.nvme_dir, self.zero.rank)
         store = SwapStore(directory, engine=io, durable=cfg.swap_fsync,
                           verify="always" if cfg.verify_checksums else "never")
         # a resumed run rewrites the files a stopped one left: their space is reusable (one

@@ -204,8 +204,8 @@ def plan_fits(plan: TrainingPlan) -> str | None:
 
 
 def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
-                           device: torch.device, activations: ActivationEstimate | None = None
-                           ) -> tuple[OffloadConfig, str]:
+                           device: torch.device, activations: ActivationEstimate | None = None,
+                           world: int = 1) -> tuple[OffloadConfig, str]:
     """The fastest candidate configuration that fits the budgets (NVMe ones only when
     base.nvme_dir is set), and a sentence saying why. Raises BudgetError saying what would fit."""
     last_error = None
@@ -216,7 +216,7 @@ def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
             cfg = base.replace(**{"offload_activations": False, **changes})
         except ConfigError:  # a combination the base's other options exclude (delayed_update)
             continue
-        why = plan_fits(plan_training(blocks, cfg, device, activations))
+        why = plan_fits(plan_training(blocks, cfg, device, activations, world=world))
         if why is None:
             return cfg, f"chose '{label}': the fastest configuration that fits the budgets"
         last_error = why

@@ -99,6 +99,11 @@ def env_world() -> tuple[int, int, int]:
     return read("RANK", 0), read("WORLD_SIZE", 1), read("LOCAL_RANK", 0)
 
 
+def rank_dir(directory: str, rank: int) -> str:
+    """Rank `rank`'s own subdirectory of a swap directory shared by the job's ranks."""
+    return os.path.join(directory, f"rank{rank:05d}")
+
+
 def ensure_process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Use the default process group when one is initialised, or initialise it from torchrun's
     environment (NCCL on CUDA, gloo on the CPU) when WORLD_SIZE > 1. True when there is one."""
@@ -113,6 +118,11 @@ def ensure_process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOU
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return True
+
+
+# torch >= 2.12 spells these *_single (the old names warn); older torch has only the old ones
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ZeroGroup:
@@ -165,7 +175,7 @@ class ZeroGroup:
         """Start summing `whole` (a padded block buffer) over ranks into `out` (this rank's
         [S] part); returns the work to wait() for (stage 2's landing, offload/zero_grads.py)."""
         self.comm.add("reduce_scatter", whole.numel(), whole.element_size(), self.world)
-        return dist.reduce_scatter_tensor(out, whole, group=self.group, async_op=True)
+        return _reduce_scatter(out, whole, group=self.group, async_op=True)
 
     def wait(self, work) -> None:
         t0 = time.perf_counter()
@@ -197,7 +207,7 @@ class ZeroGroup:
             flat = flats[bi]
             size = flat.numel() // self.world
             mine = flat[self.rank * size:(self.rank + 1) * size]
-            works.append(dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True))
+            works.append(_all_gather(flat, mine, group=self.group, async_op=True))
             self.comm.add("all_gather", flat.numel(), flat.element_size(), self.world)
         for work in works:
             work.wait()
@@ -214,7 +224,7 @@ class ZeroGroup:
         mine = torch.zeros(sh.size, dtype=shard.dtype, device=self.device)
         mine[:shard.numel()].copy_(shard)
         full = torch.empty(sh.padded, dtype=shard.dtype, device=self.device)
-        dist.all_gather_into_tensor(full, mine, group=self.group)
+        _all_gather(full, mine, group=self.group)
         return full[:numel].to(shard.device)
 
     def any_rank(self, flag: bool) -> bool:
@@ -277,7 +287,7 @@ class BlockReducer:
         else:
             out = torch.empty(sh.size, dtype=buf.dtype, device=buf.device)
             z.comm.add("reduce_scatter", sh.padded, buf.element_size(), z.world)
-            self.works.append((bi, out, dist.reduce_scatter_tensor(out, buf, group=z.group,
+            self.works.append((bi, out, _reduce_scatter(out, buf, group=z.group,
                                                                    async_op=True)))
 
     def finish(self) -> float:

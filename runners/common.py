@@ -58,13 +58,16 @@ def fail(message: str) -> NoReturn:
     raise RunnerError(message)
 
 
-def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
-    """Run `main`, turning expected failures into one line on stderr and exit code 2."""
+def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None,
+             prefix: str = "") -> int:
+    """Run `main`, turning expected failures into one line on stderr and exit code 2
+    (`prefix`: before each such line, e.g. which rank of several said it)."""
     try:
         return main(argv)
     except expected_errors() as e:
         msg = str(e).strip().splitlines()
-        print(f"error: {' '.join(line.strip() for line in msg) or type(e).__name__}", file=sys.stderr)
+        print(f"{prefix}error: {' '.join(line.strip() for line in msg) or type(e).__name__}",
+              file=sys.stderr)
         return EXIT_USAGE
     except SystemExit as e:  # argparse's usage errors (already printed as one line)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
@@ -73,7 +76,7 @@ def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | 
         return 130
     except OSError as e:  # disk full, permission denied, ...: the OS said no; name the file
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        print(f"{prefix}error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
 
 

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from offload.config import format_bytes
+from offload.zero import rank_dir
 from runners.common import (Parser, dtype_label, fail, note_unused_tensors, run_main, select_device,
                             select_dtype, writable_dir)
+from runners.ranks import Ranks, is_peer_lost, peer_lost
 from runners.report import finite_or_null, truncate_metrics
 from runners.rundir import RunDirectory, check_resume, check_run_paths, trajectory
 
@@ -33,7 +35,7 @@ DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size
                 weight_decay=0.0, grad_clip=1.0, eval_every=50, save_every=0, seed=0)
 # the StepReport fields summed into the run's time split and logged per update
 TIME_KEYS = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s",
-             "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s",
+             "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s", "comm_wait_s",
              "forward_gpu_s", "backward_gpu_s")  # the last two: CUDA only (None on the CPU)
 # OffloadConfig's switches as this runner's flags, for the library's option-combination
 # messages (options with values read the same either way: offload='cpu' is --offload cpu)
@@ -63,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"weights/gradients dtype on the device (default {d['dtype']}: bf16 on a GPU "
                     "(fp16 where bf16 is unsupported), fp32 on the CPU)")
     ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
-    ap.add_argument("--batch-size", type=int, default=None, help=f"sequences per update (default "
-                    f"{d['batch_size']}, or a DeepSpeed --config's train_batch_size)")
-    ap.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward/backward; "
-                    "gradient accumulation = batch-size / micro-batch-size (default: batch-size)")
+    ap.add_argument("--batch-size", type=int, default=None, help=f"sequences per update, over all "
+                    f"ranks under torchrun (default {d['batch_size']}, or a DeepSpeed --config's "
+                    f"train_batch_size)")
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward/backward "
+                    "on each rank; gradient accumulation = batch-size / ranks / micro-batch-size "
+                    "(default: batch-size / ranks)")
     ap.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens per sequence")
     ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d['lr']}); "
                     "linear warmup then cosine decay")
@@ -83,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     ap.add_argument("--offload-activations", action="store_true",
                     help="keep the checkpointed block inputs in host memory (needs --activation-checkpointing)")
+    ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="under torchrun, ZeRO stage across the data-parallel ranks: 0 every rank "
+                    "keeps all optimizer state, 1 fp32 masters and moments sharded, 2 gradients "
+                    "sharded too (default 0, or a --config's zero_optimization.stage); one process: "
+                    "no effect")
     ap.add_argument("--delayed-update", action="store_true",
                     help="one-step delayed update (ZeRO-Offload's DPU): each update's CPU step runs "
                     "during the next forward and backward, which use the weights from one update "
@@ -123,11 +132,11 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace, world: int = 1) -> None:
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    _check_batch(args)
+    _check_batch(args, world)
     if not 0 <= args.seed < 2**63:  # torch and the data order take 64-bit seeds
         fail(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.metrics is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
@@ -146,20 +155,27 @@ def check_args(args: argparse.Namespace) -> None:
         fail(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
 
 
-def _check_batch(args: argparse.Namespace) -> None:
+def _check_batch(args: argparse.Namespace, world: int = 1) -> None:
     if args.batch_size is None:
         return  # the config file or the default decides (engine_config), then checks again
-    mb = args.batch_size if args.micro_batch_size is None else args.micro_batch_size
-    if mb < 1 or mb > args.batch_size or args.batch_size % mb:
-        fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
+    if args.batch_size % world:
+        fail(f"--batch-size {args.batch_size} is the global batch: it must divide evenly over "
+             f"the {world} ranks (a multiple of {world})")
+    per_rank = args.batch_size // world
+    mb = per_rank if args.micro_batch_size is None else args.micro_batch_size
+    if mb < 1 or mb > per_rank or per_rank % mb:
+        if world == 1:
+            fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
+        fail(f"--micro-batch-size {mb} must divide each rank's share of the batch ({per_rank} "
+             f"= --batch-size {args.batch_size} / {world} ranks)")
 
 
-def _config_batch(args: argparse.Namespace, base: dict) -> None:
+def _config_batch(args: argparse.Namespace, base: dict, world: int = 1) -> None:
     """Batch sizes from a DeepSpeed config (train_micro_batch_size_per_gpu, the accumulation
-    steps) where the flags give none; where both give them they must agree."""
+    steps, the ranks) where the flags give none; where both give them they must agree."""
     micro = base.pop("micro_batch_size", None)
     if micro is not None:
-        total = micro * base.get("grad_accum_steps", 1)
+        total = micro * base.get("grad_accum_steps", 1) * world
         flags = (args.batch_size, args.micro_batch_size or args.batch_size)
         if args.batch_size is None:
             args.batch_size, args.micro_batch_size = total, args.micro_batch_size or micro
@@ -169,7 +185,7 @@ def _config_batch(args: argparse.Namespace, base: dict) -> None:
                  f"drop the flags or the config's batch keys")
     if args.batch_size is None:
         args.batch_size = DEFAULTS["batch_size"]
-    _check_batch(args)
+    _check_batch(args, world)
 
 
 def _check_data_files(path: str) -> None:
@@ -185,23 +201,25 @@ def _check_data_files(path: str) -> None:
                 fail(f"--data {p}: cannot read ({e.strerror})")
 
 
-def engine_config(args: argparse.Namespace, device: torch.device):
-    """The config file (if any) as the base, explicit flags over it, defaults under both."""
+def engine_config(args: argparse.Namespace, device: torch.device, world: int = 1):
+    """The config file (if any) as the base, explicit flags over it, defaults under both.
+    `world`: data-parallel ranks (--batch-size is over all of them)."""
     from offload.config import OffloadConfig, combination_error
     from offload.config_import import AutoValues, load_config_file
 
-    mb = args.micro_batch_size or args.batch_size
+    per_rank = args.batch_size // world if args.batch_size else None
+    mb = args.micro_batch_size or per_rank
     # "auto": bf16 on a GPU -- fp32 there would run full-fp32 GEMMs (TF32 is off by default)
     # and move twice the bytes per gradient and upload (desk review M4)
     dtype = dtype_label(select_dtype(args.dtype, device)) if args.dtype else None
     auto = AutoValues(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       dtype=dtype, micro_batch_size=mb,
-                      grad_accum_steps=args.batch_size // mb if args.batch_size else None)
+                      grad_accum_steps=per_rank // mb if args.batch_size else None)
     notes: list[str] = []
     base = load_config_file(args.config, auto=auto, notes=notes).to_dict() if args.config else {}
     for note in notes:  # DeepSpeed keys accepted but without effect here: never silently
         print(f"note: {note}", file=sys.stderr)
-    _config_batch(args, base)
+    _config_batch(args, base, world)
     explicit = {"offload": args.offload, "dtype": dtype, "lr": args.lr,
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip}
     for key, value in explicit.items():
@@ -212,6 +230,8 @@ def engine_config(args: argparse.Namespace, device: torch.device):
                          else DEFAULTS[key])
     if args.offload_params is not None:
         base["offload_params"] = args.offload_params
+    if args.zero_stage is not None:
+        base["zero_stage"] = args.zero_stage
     if args.activation_checkpointing:
         base["activation_checkpointing"] = True
     if args.offload_activations:
@@ -219,7 +239,8 @@ def engine_config(args: argparse.Namespace, device: torch.device):
     if args.delayed_update:
         base["delayed_update"] = True
         base["delayed_update_warmup"] = args.delayed_update_warmup
-    base["grad_accum_steps"] = args.batch_size // (args.micro_batch_size or args.batch_size)
+    per_rank = args.batch_size // world
+    base["grad_accum_steps"] = per_rank // (args.micro_batch_size or per_rank)
     base["device"] = str(device)
     base["device_budget"] = args.gpu_memory or base.get("device_budget")
     base["host_budget"] = args.cpu_memory or base.get("host_budget")
@@ -320,24 +341,27 @@ def run(args: argparse.Namespace) -> int:
                                     llama_activation_estimate, plan_training)
     from runners.report import Banner
 
-    check_args(args)
-    device = select_device(args.gpu)
-    cfg = engine_config(args, device)
+    ranks = Ranks.from_env()  # torchrun's environment; one rank without it
+    check_args(args, ranks.world)
+    # under torchrun each rank takes the GPU of its local rank
+    device = select_device(ranks.local if ranks.many and args.gpu is not None else args.gpu)
+    ranks.connect(device)
+    cfg = engine_config(args, device, ranks.world)
     model, model_cfg, source, tokenizer = load_model(args)
-    micro = args.micro_batch_size or args.batch_size
+    micro = args.micro_batch_size or args.batch_size // ranks.world
     blocks, _ = group_blocks(model)
     shape = [(b.numel, b.module is not None) for b in blocks]
     acts = llama_activation_estimate(model_cfg, micro, args.seq_len, cfg.torch_dtype)
     choice = None
     if args.offload == "auto":
         try:
-            cfg, choice = choose_training_config(shape, cfg, device, acts)
+            cfg, choice = choose_training_config(shape, cfg, device, acts, world=ranks.world)
         except BudgetError:
             if args.dry_run:  # still show what each configuration would need
                 print(estimator_table(shape, cfg, device, acts))
             raise
-    plan = plan_training(shape, cfg, device, acts)
-    banner = Banner(args, cfg, model_cfg, plan, device, choice)
+    plan = plan_training(shape, cfg, device, acts, world=ranks.world)
+    banner = Banner(args, cfg, model_cfg, plan, device, choice, ranks.world)
     print(banner.render())
     if args.dry_run:
         print(estimator_table(shape, cfg, device, acts))
@@ -351,21 +375,27 @@ def run(args: argparse.Namespace) -> int:
     metrics_path = args.metrics or os.path.join(args.output, "metrics.jsonl")
     check_run_paths(args.output, args.metrics, cfg.nvme_dir, args.data)
     rundir = RunDirectory(args.output)
-    rundir.lock()  # held until the process ends: one run per --output, whatever the tier
+    if ranks.main:  # rank 0 holds the run directory for the job
+        rundir.lock()  # held until the process ends: one run per --output, whatever the tier
     try:
         return _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, rundir,
-                           metrics_path)
+                           metrics_path, ranks)
     finally:
-        rundir.release()
+        if ranks.main:
+            rundir.release()
 
 
 def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, rundir,
-                metrics_path) -> int:
+                metrics_path, ranks: Ranks) -> int:
+    import tempfile
+
     import offload
     from offload.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
     from offload.data import BatchOrder, pack, tokenize_to_disk
 
-    rundir.prepare(resume=args.resume, overwrite=args.overwrite, metrics_path=metrics_path)
+    if ranks.main:
+        rundir.prepare(resume=args.resume, overwrite=args.overwrite, metrics_path=metrics_path)
+    ranks.barrier()  # the others read the directory rank 0 prepared
 
     resume_dir = find_checkpoint(args.resume) if args.resume else None
     trainer: dict[str, Any] = load_trainer_state(resume_dir) if resume_dir else {}
@@ -373,12 +403,15 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
         fail(f"--resume {args.resume}: the checkpoint is from a different model "
              f"({trainer.get('model_config', {}).get('architectures')}, "
              f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
-    now = trajectory(args, cfg, micro)
+    # the global micro-batch: a state saved by N ranks resumes on M with the same arithmetic
+    now = trajectory(args, cfg, micro * ranks.world)
     if trainer:
         check_resume(trainer.get("trajectory"), now, args.resume)
 
-    stream = tokenize_to_disk(args.data, tokenizer, os.path.join(args.output, "data"),
-                              vocab_size=model_cfg.vocab_size)
+    # rank 0 keeps the tokens in OUTPUT/data; the others tokenize into a directory of their own
+    tokens_dir = (os.path.join(args.output, "data") if ranks.main else
+                  tempfile.mkdtemp(prefix=f"offload-tokens-rank{ranks.rank}-"))
+    stream = tokenize_to_disk(args.data, tokenizer, tokens_dir, vocab_size=model_cfg.vocab_size)
     data = pack(stream, args.seq_len)
     order = BatchOrder(data.num_train, args.seed, trainer.get("data_position", 0))
     if trainer and trainer.get("data_fingerprint") != stream.fingerprint:
@@ -402,7 +435,8 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
     stop = StopRequested()
     try:
         rc = _train(args, engine, model, model_cfg, data, order, stream.fingerprint, tokenizer,
-                    micro, device, cfg, stop, trainer, resume_dir, history, metrics_path, now)
+                    micro, device, cfg, stop, trainer, resume_dir, history, metrics_path, now,
+                    ranks)
     except BaseException:
         stop.restore()
         # in-process callers must get the swap lock back; a failure while closing (a write
@@ -411,16 +445,19 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
         raise
     stop.restore()
     engine.close()
+    if not ranks.main:
+        import shutil
+        shutil.rmtree(tokens_dir, ignore_errors=True)
     return rc
 
 
 def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, micro, device, cfg,
-           stop, trainer, resume_dir, history, metrics_path, now) -> int:
+           stop, trainer, resume_dir, history, metrics_path, now, ranks: Ranks) -> int:
     from offload.checkpoint import rng_state, save_checkpoint
 
-    if resume_dir:  # rows past the checkpoint belong to updates that are about to be redone
+    if resume_dir and ranks.main:  # rows past the checkpoint: updates about to be redone
         truncate_metrics(metrics_path, engine.global_step)
-    metrics = open(metrics_path, "a" if resume_dir else "w")
+    metrics = open(metrics_path if ranks.main else os.devnull, "a" if resume_dir else "w")
     export_dtype = cfg.torch_dtype
     totals: dict[str, float] = {}
 
@@ -440,9 +477,11 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
     t_run = time.perf_counter()
     tokens_run = 0
     start_step = engine.global_step
-    while engine.global_step < args.steps and stop.signal is None and (
+    # a stop request on any rank stops every rank at the same update (else the ranks'
+    # collectives would no longer pair up): one tiny all-reduce per update across ranks
+    while engine.global_step < args.steps and not ranks.any(stop.signal is not None) and (
             args.stop_after is None or engine.global_step - start_step < args.stop_after):
-        loss_sum, dt = _one_update(args, engine, model, data, order, micro, device, cfg)
+        loss_sum, dt = _one_update(args, engine, model, data, order, micro, device, cfg, ranks)
         tokens_run += args.batch_size * args.seq_len
         row = _update_row(args, engine, loss_sum, dt, micro, totals)
         if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
@@ -464,6 +503,9 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
     metrics.close()
     wall = time.perf_counter() - t_run
     path = checkpoint()
+    if stop.signal is None and engine.global_step < args.steps and ranks.many and (
+            args.stop_after is None or engine.global_step - start_step < args.stop_after):
+        stop.signal = signal.SIGTERM  # another rank was asked to stop
     if stop.signal is not None:
         engine.close()
         print(f"stopped by {signal.Signals(stop.signal).name} at update {engine.global_step}; "
@@ -476,20 +518,21 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
               f"--resume {args.output})")
         return 0
     return _finish(args, engine, cfg, model_cfg, tokenizer, history, totals, wall, tokens_run,
-                   eval_loss0, path, metrics_path, export_dtype)
+                   eval_loss0, path, metrics_path, export_dtype, ranks)
 
 
-def _one_update(args, engine, model, data, order, micro: int, device, cfg) -> tuple[float, float]:
-    """One optimizer update over batch_size sequences in micro-batches: (summed micro-batch
-    losses, seconds)."""
+def _one_update(args, engine, model, data, order, micro: int, device, cfg,
+                ranks: Ranks) -> tuple[float, float]:
+    """One optimizer update over batch_size sequences (this rank's share of them) in
+    micro-batches: (summed micro-batch losses, averaged over ranks; seconds)."""
     from offload.data import masked_lm_loss
 
     engine.set_lr(lr_at(engine.global_step, cfg.lr, args.warmup_steps, args.steps,
                         args.min_lr_ratio))
     t0 = time.perf_counter()
-    batch = order.take(args.batch_size)
+    batch = ranks.rows(order.take(args.batch_size))  # every rank takes the same global batch
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for i in range(0, args.batch_size, micro):
+    for i in range(0, len(batch), micro):
         rows = data.batch(batch[i:i + micro]).to(device)
         logits = model(rows.ids[:, :-1], **rows.model_inputs())
         loss = masked_lm_loss(logits, rows.ids[:, 1:], rows.mask)
@@ -498,7 +541,7 @@ def _one_update(args, engine, model, data, order, micro: int, device, cfg) -> tu
         # summed on the device, read once per update: .item() per micro-batch would make
         # the host wait for each backward before queueing the next forward (review L6)
         loss_sum += loss.detach().float()
-    return float(loss_sum), time.perf_counter() - t0
+    return float(ranks.mean(loss_sum)), time.perf_counter() - t0
 
 
 def _update_row(args, engine, loss_sum: float, dt: float, micro: int,
@@ -510,37 +553,47 @@ def _update_row(args, engine, loss_sum: float, dt: float, micro: int,
     for k, v in rep.bytes.items():
         totals["bytes_" + k] = totals.get("bytes_" + k, 0) + v
     totals["step_s"] = totals.get("step_s", 0.0) + dt
-    return {"step": engine.global_step, "loss": loss_sum * micro / args.batch_size,
+    accum = engine.cfg.grad_accum_steps  # micro-batches per update on each rank
+    return {"step": engine.global_step, "loss": loss_sum / accum,
             "lr": engine.lr, "tokens_per_s": args.batch_size * args.seq_len / dt, "step_s": dt,
             "applied": rep.applied, "loss_scale": rep.loss_scale, "grad_norm": rep.grad_norm,
             "time": {k: getattr(rep, k) for k in TIME_KEYS}}
 
 
 def _finish(args, engine, cfg, model_cfg, tokenizer, history, totals, wall: float,
-            tokens_run: int, eval_loss0, path: str, metrics_path: str, export_dtype) -> int:
+            tokens_run: int, eval_loss0, path: str, metrics_path: str, export_dtype,
+            ranks: Ranks) -> int:
     """A completed run: export the model and check it reads back, print the summary and the
     loss curve, close the engine and remove the swap files."""
     from runners.report import summary_table, write_loss_plot
 
     final_model = os.path.join(args.output, "model")
     from offload.models import save_pretrained
-    save_pretrained(engine.iter_master_params(), final_model, config=model_cfg, dtype=export_dtype,
-                    extra_files=tokenizer.files())
-    verify_export(final_model, model_cfg, bool(tokenizer.files()))
+    params = engine.iter_master_params()  # across ranks: gathered block by block, on every rank
+    if ranks.main:
+        save_pretrained(params, final_model, config=model_cfg, dtype=export_dtype,
+                        extra_files=tokenizer.files())
+        verify_export(final_model, model_cfg, bool(tokenizer.files()))
+    else:
+        for _ in params:
+            pass
     eval_final = next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None)
-    print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final))
+    memory = ranks.gather(engine.memory_report())
+    print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final, memory))
     if engine.skipped_steps:
         print(f"skipped updates (inf/nan loss or gradients): {engine.skipped_steps}")
-    png = write_loss_plot(history, os.path.join(args.output, "loss.png"))
+    png = write_loss_plot(history, os.path.join(args.output, "loss.png")) if ranks.main else None
     print(f"model (Hugging Face layout): {final_model}\ncheckpoint: {path}\nmetrics: {metrics_path}"
           + (f"\nloss curve: {png}" if png else ""))
     engine.close()
-    if cfg.nvme_dir is not None and os.path.isdir(cfg.nvme_dir):
+    swap_dir = cfg.nvme_dir if not ranks.many or cfg.nvme_dir is None else \
+        rank_dir(cfg.nvme_dir, ranks.rank)
+    if swap_dir is not None and os.path.isdir(swap_dir):
         # the finished run's swap files duplicate the checkpoint (a --resume writes them anew
         # from it): free the space, deleting only the files the store created
         from nvme import SwapStore
-        freed = SwapStore(cfg.nvme_dir, verify="never", durable=False).destroy()
-        print(f"swap: removed {format_bytes(freed)} of swap files from {cfg.nvme_dir} (the "
+        freed = SwapStore(swap_dir, verify="never", durable=False).destroy()
+        print(f"swap: removed {format_bytes(freed)} of swap files from {swap_dir} (the "
               f"checkpoint holds the state)")
     return 0
 
@@ -570,7 +623,22 @@ def _progress(args: argparse.Namespace, start: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(lambda a: run(build_parser().parse_args(a)), argv)
+    ranks = Ranks.from_env()
+    if not ranks.many:
+        return run_main(lambda a: run(build_parser().parse_args(a)), argv)
+    # one of several ranks: errors name the rank, and a lost peer is one line, not a traceback
+    # from inside a collective
+    def run_rank(a):
+        args = build_parser().parse_args(a)
+        try:
+            return run(args)
+        except Exception as e:  # noqa: BLE001 - classified below, re-raised when not ours
+            if is_peer_lost(e):
+                fail(f"{peer_lost(args.output)} ({str(e).splitlines()[0][:160]})")
+            raise
+        finally:
+            ranks.close()
+    return run_main(run_rank, argv, prefix=f"rank {ranks.rank}: ")
 
 
 if __name__ == "__main__":

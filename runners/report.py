@@ -17,9 +17,10 @@ from offload.config import OffloadConfig, format_bytes
 
 class Banner:
     def __init__(self, args: argparse.Namespace, cfg: OffloadConfig, model_cfg, plan,
-                 device: torch.device, choice: str | None = None):
+                 device: torch.device, choice: str | None = None, world: int = 1):
         self.args, self.cfg, self.model_cfg, self.plan, self.device = args, cfg, model_cfg, plan, device
         self.choice = choice  # the planner's sentence when --offload auto chose the configuration
+        self.world = world  # data-parallel ranks (torchrun)
 
     def render(self) -> str:
         a, cfg, m = self.args, self.cfg, self.model_cfg
@@ -60,7 +61,16 @@ class Banner:
         if cfg.activation_checkpointing:
             lines.append("  activations checkpointed per block (recomputed in backward)"
                          + ("; checkpointed inputs kept in host RAM" if cfg.offload_activations else ""))
-        path, why = cfg.step_path()
+        if self.world > 1:
+            phi = self.plan.num_params
+            formula = zero_state_bytes(cfg, phi, self.world)
+            lines.append(f"  ranks     {self.world} data-parallel ranks, ZeRO stage {cfg.zero_stage}: "
+                         f"model states per rank " + ", ".join(
+                             f"{k} {format_bytes(v)}" for k, v in formula.items())
+                         + f" (Φ = {phi / 1e6:.1f}M parameters); gradients and weights move "
+                         f"{format_bytes(2 * phi * (self.world - 1) / self.world * cfg.torch_dtype.itemsize)}"
+                         f" per rank per update (2Φ(N-1)/N)")
+        path, why = cfg.step_path(self.world)
         lines.append("  CPU step  " + {"overlapped": "overlapped with backward: ",
                                        "delayed": "one step delayed: ",
                                        "after": "after backward: "}[path] + why)
@@ -70,12 +80,24 @@ class Banner:
         return "\n".join(lines)
 
 
+def zero_state_bytes(cfg: OffloadConfig, phi: int, world: int) -> dict[str, int]:
+    """The ZeRO paper's model states per rank for Φ parameters over `world` ranks at
+    cfg.zero_stage, in this run's dtypes: weights, gradients (fp32 when accumulated), fp32
+    masters and the two moments -- 2Φ + 2Φ + 12Φ in mixed precision, sharded by the stage."""
+    item = cfg.torch_dtype.itemsize
+    grad_item = 4 if cfg.grad_accum_steps > 1 else item
+    shard = lambda n, stage: n // world if cfg.zero_stage >= stage else n  # noqa: E731
+    return {"weights": phi * item, "gradients": shard(phi * grad_item, 2),
+            "masters + moments": shard(12 * phi, 1)}
+
+
 def _budget(b: int | None) -> str:
     return "free memory" if b is None else format_bytes(b)
 
 
 def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
-                  eval_loss0: float | None, eval_final: float | None) -> str:
+                  eval_loss0: float | None, eval_final: float | None,
+                  rank_memory: list[dict] | None = None) -> str:
     """Time split, bytes per link, peak memory per tier — the run's own account."""
     step_s = max(totals.get("step_s", 0.0), 1e-9)
     t = lambda k: totals.get(k, 0.0)  # noqa: E731
@@ -87,7 +109,8 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
              ("CPU optimizer step", t("cpu_step_s") - hidden_step),
              ("optimizer-state IO wait", t("io_wait_s")),
              ("weight upload", t("upload_s") - hidden_upload),
-             ("waiting for the step thread", t("overlap_wait_s"))]
+             ("waiting for the step thread", t("overlap_wait_s")),
+             ("waiting for other ranks", t("comm_wait_s"))]
     other = step_s - sum(v for _, v in parts)
     lines = ["", f"summary: {tokens} tokens in {wall_s:.1f} s ({tokens / max(wall_s, 1e-9):.0f} tokens/s)"]
     if eval_loss0 is not None and eval_final is not None:
@@ -106,7 +129,10 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
     lines.append("  bytes per link       total       per update")
     updates = max(engine.global_step, 1)
     for link, label in (("d2h", "device->host (grads)"), ("h2d", "host->device (weights)"),
-                        ("nvme_read", "nvme read (state)"), ("nvme_write", "nvme write (state)")):
+                        ("nvme_read", "nvme read (state)"), ("nvme_write", "nvme write (state)"),
+                        ("all_reduce", "all-reduce (grads, sent)"),
+                        ("reduce_scatter", "reduce-scatter (grads, sent)"),
+                        ("all_gather", "all-gather (weights, sent)")):
         b = totals.get("bytes_" + link, 0)
         if b:
             lines.append(f"    {label:<28} {format_bytes(b):>10}  {format_bytes(b / updates):>10}")
@@ -114,6 +140,12 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
     lines.append("  peak memory per tier")
     for tier in ("device", "host", "nvme"):
         lines.append(f"    {tier:<28} {format_bytes(rep[tier]['peak']):>10}  (held by the engine)")
+    if rank_memory and len(rank_memory) > 1:  # per rank, where ranks differ (shards' sizes)
+        for tier in ("device", "host", "nvme"):
+            peaks = [m[tier]["peak"] for m in rank_memory]
+            if len(set(peaks)) > 1:
+                lines.append(f"    {tier + ' by rank':<28} " + ", ".join(
+                    f"{r}: {format_bytes(p)}" for r, p in enumerate(peaks)))
     lines.append(f"    {'process RSS':<28} {format_bytes(rep['process']['peak_rss']):>10}")
     if "peak_device_allocated" in rep["process"]:
         lines.append(f"    {'CUDA allocated':<28} {format_bytes(rep['process']['peak_device_allocated']):>10}")

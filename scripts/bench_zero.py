@@ -265,13 +265,14 @@ def mib(x: float | None) -> str:
 
 HEAD = (f"{'row':<18} {'N':>2} {'step s':>7} {'vs s0':>6} {'comm s':>7}   "
         f"{'weights':>13} {'grads':>13} {'state':>13}   {'sent/update':>15}  "
-        f"{'rss':>6} {'+rss':>6}")
+        f"{'rss':>6} {'+rss':>6}  step s min-max")
 
 
 def print_row(row: Row, res: list[dict], phi: int, base: float | None) -> float:
     """One line: the slowest rank's median step time, the largest rank's bytes (MiB, measured
     / formula); returns that step time."""
     step = max(statistics.median(r["step_s"]) for r in res)
+    lo, hi = min(min(r["step_s"]) for r in res), max(max(r["step_s"]) for r in res)
     f = formula(row, phi)
     pair = lambda k: f"{mib(max(r[k] for r in res))}/{mib(f[k])}"  # noqa: E731
     wait = [r["comm_wait_s"] for r in res if r["comm_wait_s"] is not None]
@@ -282,7 +283,8 @@ def print_row(row: Row, res: list[dict], phi: int, base: float | None) -> float:
     print(f"{row.name:<18} {row.world:>2} {step:7.3f} {ratio} "
           f"{(f'{max(wait):7.3f}' if wait else '      -')}   {pair('weights'):>13} "
           f"{pair('grads'):>13} {pair('state'):>13}   {sent_s:>15}  "
-          f"{mib(max(r['rss'] for r in res)):>6} {mib(max(r['rss_growth'] for r in res)):>6}",
+          f"{mib(max(r['rss'] for r in res)):>6} {mib(max(r['rss_growth'] for r in res)):>6}"
+          f"  {lo:.3f}-{hi:.3f}",
           flush=True)
     return step
 
@@ -326,9 +328,11 @@ def main() -> None:
     rows = [r for r in plan_rows(args) if not args.rows or any(r.name.startswith(p) for p in args.rows)]
     phi = sum(p.numel() for p in make_model(args).parameters())
     cores = len(os.sched_getaffinity(0))
+    # load average: other work on these few cores (oversubscribed OpenMP threads) can slow a
+    # step 10x; it is printed so a run on a busy machine reads as one
     print(f"{datetime.datetime.now().isoformat(timespec='seconds')}  CPU: {cpu_model()} "
           f"({cores} cores; {max(1, cores // args.ranks)} threads per rank, {cores} in one "
-          f"process)  torch {torch.__version__}")
+          f"process)  torch {torch.__version__}  load {os.getloadavg()[0]:.2f}")
     print(f"Llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}: Φ = {phi:,} "
           f"params, fp32; global batch {args.batch} x {args.seq}; AdamW lr {args.lr}, clip "
           f"{args.clip}; {args.ranks} ranks (gloo); median of {args.steps} updates after "
@@ -360,6 +364,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\n".join(notes))
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
