@@ -50,8 +50,12 @@ DEEPSPEED_INERT: dict[str, dict[str, str]] = {
          "zero_allow_untested_optimizer": "the engine's optimizer is always its CPU AdamW"},
     "zero_optimization": {
         "contiguous_gradients": "gradients always land in contiguous per-block buffers",
-        "overlap_comm": "one process: no gradient communication to overlap",
-        "reduce_bucket_size": "one process: no gradient reduction buckets",
+        "overlap_comm": "across ranks each block's gradient reduction always starts as soon as "
+                        "the block's gradients are final, while backward goes on",
+        "reduce_bucket_size": "across ranks gradients are reduced one block at a time: each "
+                              "block is one bucket",
+        "allgather_bucket_size": "across ranks updated weights are all-gathered one block at a "
+                                 "time: each block is one bucket",
         "round_robin_gradients": "one process: no gradient partitions",
         "stage3_prefetch_bucket_size": "weights are prefetched per block (offload_param.buffer_count)",
         "stage3_param_persistence_threshold": "one process: no partitioned parameters to gather",
@@ -142,6 +146,7 @@ def _deepspeed_zero(ds: Mapping[str, Any], out: dict[str, Any], said: list[str])
     stage = _no_auto(zero.get("stage", 0), "zero_optimization.stage")
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"zero_optimization.stage: {stage!r} is not one of 0, 1, 2, 3")
+    out["zero_stage"] = stage  # across data-parallel ranks; one process: the same engine
     nvme_paths = _offload_optimizer(zero, stage, out, said) + _offload_param(zero, stage, out, said)
     if len(set(map(str, nvme_paths))) > 1:
         raise ConfigError("offload_optimizer.nvme_path and offload_param.nvme_path differ; the "

@@ -1,0 +1,129 @@
+"""runners.finetune as several data-parallel ranks under torchrun (gloo on this CPU): a run
+that is stopped and resumed ends bit-identical to one that was not, equals the one-process run
+over the same global batch, two "nodes" rendezvousing on 127.0.0.1 train the same model, and a
+killed rank ends the job with one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nvme.format import SafetensorsFile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--lr", "1e-4",
+         "--eval-every", "0", "--no-progress", "--warmup-steps", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], *, nproc: int = 2, extra: list[str] | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), *(extra or []), "-m", "runners.finetune", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_process(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runners.finetune", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def model_tensors(output: str) -> dict[str, torch.Tensor]:
+    out = {}
+    model = os.path.join(output, "model")
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            with SafetensorsFile(os.path.join(model, name)) as f:
+                out.update({k: f.read(k) for k in f.tensors})
+    return out
+
+
+def check_ok(run: subprocess.CompletedProcess) -> None:
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+def test_two_ranks_stop_resume_exact_and_match_one_process(tmp_path):
+    whole, parts, single = (str(tmp_path / n) for n in ("whole", "parts", "single"))
+    zero = ["--zero-stage", "2", "--offload", "nvme"]
+    run = torchrun([*FLAGS, *zero, "--output", whole])
+    check_ok(run)
+    assert "ranks     2 data-parallel ranks, ZeRO stage 2" in run.stdout
+    assert "reduce-scatter (grads, sent)" in run.stdout
+    check_ok(torchrun([*FLAGS, *zero, "--output", parts, "--stop-after", "3"]))
+    ckpt = os.path.join(parts, "checkpoint", "engine")
+    assert any(".rank-00001." in n for n in os.listdir(ckpt))  # each rank saved its shards
+    check_ok(torchrun([*FLAGS, *zero, "--output", parts, "--resume", parts]))
+    a, b = model_tensors(whole), model_tensors(parts)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # each rank's loss is the mean over its own rows' tokens, as each micro-batch's is in one
+    # process: 2 ranks of 2 rows each are one process's 2 micro-batches of 2 rows
+    check_ok(one_process([*FLAGS, "--offload", "cpu", "--micro-batch-size", "2", "--output", single]))
+    c = model_tensors(single)
+    worst = max(((a[k].double() - c[k].double()).abs().max()
+                 / c[k].double().abs().max().clamp_min(1e-12)).item() for k in a)
+    assert worst <= 1e-5, worst
+
+
+def test_two_nodes_rendezvous_on_localhost(tmp_path):
+    """`torchrun --nnodes 2 --nproc_per_node 1`, two launches on this machine, trains the same
+    model as one launch of two ranks."""
+    port = free_port()
+    outs = {n: str(tmp_path / n) for n in ("nodes", "single_node")}
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+             "1", "--node_rank", str(r), "--master_addr", "127.0.0.1", "--master_port", str(port),
+             "-m", "runners.finetune", *FLAGS, "--zero-stage", "1", "--output", outs["nodes"]]
+            for r in (0, 1)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for c in cmds]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs[0][-2000:] + logs[1][-2000:]
+    check_ok(torchrun([*FLAGS, "--zero-stage", "1", "--output", outs["single_node"]]))
+    a, b = model_tensors(outs["nodes"]), model_tensors(outs["single_node"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_killed_rank_ends_the_job_with_one_line(tmp_path):
+    """SIGKILL one rank mid-run: the other stops within 60 s with one line that says what
+    happened and how to resume (no hang until a 10-30 minute collective timeout)."""
+    port, out = free_port(), str(tmp_path / "run")
+    procs = []
+    for r in (0, 1):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "runners.finetune", "--steps", "100000", "--batch-size", "4",
+             "--seq-len", "32", "--eval-every", "0", "--no-progress", "--zero-stage", "1",
+             "--output", out], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True))
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr.read()
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        err = procs[0].communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        pytest.fail("the surviving rank did not stop within 60 s of its peer's death")
+    assert time.monotonic() - t0 < 60
+    assert procs[0].returncode not in (0, None)
+    lines = [ln for ln in err.splitlines() if ln.startswith("rank 0: error:")]
+    assert len(lines) == 1 and "peer rank stopped answering" in lines[0], err[-2000:]
+    assert f"--resume {out}" in lines[0]
+    procs[1].wait()
