@@ -138,6 +138,24 @@ def test_ranks_match_one_process_adamw(world, kind, tmp_path):
     print(f"\nworld {world} {kind}: worst relative difference to one-process AdamW {worst:.2e}")
 
 
+def test_four_ranks_memory_and_bytes_follow_the_formulas(tmp_path):
+    """4 ranks (on 2 cores): per-rank optimizer state and gradients within 5% of the ZeRO
+    formulas, 2 Phi (N-1)/N sent per update at every stage (no accumulation: stage 2 reduces
+    once), and the same model as one process."""
+    configs = [(0, "cpu"), (1, "cpu"), (2, "cpu"), (2, "nvme")]
+    kws = [dict(OPT, dtype="fp32", device="cpu", exact_optimizer=True, grad_clip=CLIP,
+                grad_accum_steps=1, offload=offload, zero_stage=stage,
+                nvme_dir=str(tmp_path / "swap") if offload == "nvme" else None)
+           for stage, offload in configs]
+    results = launch_ranks(dict(model="tiny", updates=4, rows=8, seq=SEQ, configs=kws), 4, tmp_path)
+    phi = sum(v.numel() for v in results[0]["masters"].values())
+    for (stage, offload), res in zip(configs, results):
+        assert len(res["memory"]) == 4
+        check_sent(res["sent"][-1], stage, phi, 4, 1)
+        check_state_bytes(res["memory"], stage, offload, phi, 4)
+        assert rel_diff(res["masters"], results[0]["masters"]) <= TOLERANCE
+
+
 def test_one_process_zero_stage_is_the_single_process_engine(tmp_path):
     """Without a process group every stage is today's engine, bit for bit."""
     import offload
