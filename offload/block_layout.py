@@ -118,5 +118,4 @@ def layout_block(i: int, layer: nn.Module, ranges: list[TensorRange] | None, *, 
             new = p
         block.slots.append(ParamSlot(n, new, block.numel, p.numel(), p.shape))
         block.numel += p.numel()
-    block.shard_numel = block.numel
     return out

@@ -7,9 +7,8 @@ head). Each block gets flat contiguous buffers and its parameters become views i
 block's flat device buffer, so moving a block is one large copy, storing it is one sequential
 file, and stepping it is one optimizer call.
 
-The layout carries `shard_offset`/`shard_numel` — which part of the block this process owns —
-so a later multi-GPU (ZeRO-1/2/3) version can give each rank 1/N of every block without
-changing callers. For now a process always owns all of it.
+Across data-parallel ranks each rank owns a shard of every block's flat buffers; which one is
+the engine's to say (Engine.owned, offload/zero.py), not the layout's.
 """
 
 from __future__ import annotations
@@ -43,13 +42,10 @@ class Block:
     slots: list[ParamSlot] = field(default_factory=list)
     module: nn.Module | None = None  # the ModuleList entry (None for "rest")
     numel: int = 0
-    shard_offset: int = 0  # the part of the flat buffers this process owns (all of it, for now)
-    shard_numel: int = 0
 
     def add(self, name: str, param: nn.Parameter) -> None:
         self.slots.append(ParamSlot(name, param, self.numel, param.numel(), param.shape))
         self.numel += param.numel()
-        self.shard_numel = self.numel
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """{param name: view of `flat` shaped like the parameter}."""

@@ -65,7 +65,7 @@ def test_M1_callback_read_once():
     p = nn.Parameter(torch.zeros(4))
     block = Block(index=0, name="0", module=None)
     block.slots.append(ParamSlot("w", p, 0, 4, p.shape))
-    block.numel = block.shard_numel = 4
+    block.numel = 4
 
     class Vanishing(GradLanding):
         reads = 0
