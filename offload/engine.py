@@ -42,7 +42,8 @@ from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_repor
                            peak_rss_bytes, large_frees_to_os, started_worker)
 from offload.train_plan import plan_training
 from offload.train_stream import TrainingStreamer
-from offload.zero import BlockReducer, ZeroGroup, ensure_process_group, env_world, rank_dir
+from offload.zero import (BlockReducer, ShardGather, ZeroGroup, ensure_process_group, env_world,
+                          rank_dir)
 
 
 def _counter(name: str, doc: str) -> property:
@@ -155,7 +156,8 @@ class Engine:
         self.layers: nn.ModuleList | None = (model.get_submodule(self.block_list_path)
                                              if self.block_list_path is not None else None)
         self.layer_of: dict[int, int] = {}  # block index -> layer index, for streamed blocks
-        if cfg.offload_params != "none":
+        streams = cfg.offload_params != "none" or self.shards_weights
+        if streams:
             self._check_streamable()
         stream_flats: list[torch.Tensor] = []
         # fp32 on the CPU: resident parameters are views of their masters (the stepper then
@@ -171,14 +173,21 @@ class Engine:
                 self.zero.broadcast_(master)
             self.state.init_block(bi, master)
             trainable.update(id(s.param) for s in block.slots)
-            if cfg.offload_params != "none" and block.module is not None:
+            if streams and block.module is not None:
                 self.layer_of[bi] = len(self.layer_of)
-                if cfg.offload_params == "cpu":  # the streamer adopts it as the block's home
+                if self.shards_weights:  # stage 3: the home is this rank's shard, padded
+                    lo, hi = self.owned(bi)
+                    home = torch.zeros(self.zero.shards(block.numel).size, dtype=self.dtype,
+                                       device=self.device if cfg.offload_params == "none" else "cpu")
+                    home[:hi - lo].copy_(master[lo:hi])
+                    stream_flats.append(home)
+                elif cfg.offload_params == "cpu":  # the streamer adopts it as the block's home
                     stream_flats.append(master.to(self.dtype))
                 else:  # straight to its swap file: the model never sits in RAM at once
                     self.store.write(TrainingStreamer.name(block), master.to(self.dtype)).wait()
                     stream_flats.append(None)
                 self.flat16.append(None)
+                self.flat16_padded.append(None)
                 continue
             padded = None
             if self.shares_masters:
@@ -197,9 +206,11 @@ class Engine:
         if self.layer_of:
             self.streaming = TrainingStreamer(
                 self.layers, self.blocks, sorted(self.layer_of, key=self.layer_of.get),
-                cfg.offload_params, device=self.device, dtype=self.dtype, pin=self.pin,
-                flats16=stream_flats, store=self.store, account=self.account,
-                host_ahead=1, nvme_ahead=cfg.prefetch_blocks)
+                "cpu" if self.shards_weights else cfg.offload_params, device=self.device,
+                dtype=self.dtype, pin=self.pin, flats16=stream_flats, store=self.store,
+                account=self.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks,
+                shards=ShardGather(self.zero) if self.shards_weights else None,
+                home="device" if self.shards_weights and cfg.offload_params == "none" else "host")
             trainable.update(id(s.param) for bi in self.layer_of for s in self.blocks[bi].slots)
         del stream_flats
         move_frozen_and_buffers(model, self.device, self.dtype, trainable)
@@ -227,10 +238,14 @@ class Engine:
         import torch.distributed as dist
         if dist.get_world_size() == 1:
             return None
-        if cfg.offload_params != "none":
+        if cfg.offload_params != "none" and cfg.zero_stage < 3:
             raise ConfigError("offload_params across data-parallel ranks streams each rank's "
-                              "shard of the 16-bit weights: that is ZeRO stage 3, not built "
-                              "yet; use offload_params='none' with several ranks, or one process")
+                              "shard of the 16-bit weights: that is ZeRO stage 3; set "
+                              "zero_stage=3 (--zero-stage 3), or offload_params='none'")
+        if cfg.offload_params == "nvme" and cfg.zero_stage == 3:
+            raise ConfigError("zero_stage 3 across ranks keeps each rank's shard of the 16-bit "
+                              "weights on the device or in host RAM (offload_params 'none' or "
+                              "'cpu'); shards in NVMe swap files are not built yet")
         if cfg.delayed_update:
             raise ConfigError("delayed_update across data-parallel ranks is not supported: the "
                               "delayed step would run beside the next backward's collectives; "
@@ -239,9 +254,15 @@ class Engine:
 
     @property
     def gathers_weights(self) -> bool:
-        """Each rank steps only its shard and the updated weights are all-gathered (stages 1-2
-        across ranks)."""
+        """Each rank steps only its shard and the updated weights are all-gathered after the
+        step (stages 1-3 across ranks; at stage 3 only the non-layer block's)."""
         return self.zero is not None and self.zero.stage >= 1
+
+    @property
+    def shards_weights(self) -> bool:
+        """Stage 3 across ranks: each layer's 16-bit weights live as this rank's shard and are
+        gathered from the other ranks when the layer is fetched (offload/zero.py ShardGather)."""
+        return self.zero is not None and self.zero.stage == 3
 
     def _padded_numels(self) -> list[int] | None:
         """Flat buffer lengths across ranks (blocks padded to equal shards); None in one process."""

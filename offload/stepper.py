@@ -146,6 +146,8 @@ class BlockStepper:
         e, cfg = self.e, self.e.cfg
         beta1, beta2 = cfg.betas
         out16, where = self._target(u, bi)
+        # block offset of out16[0]: this rank's shard at stage 3 is the home of its weights
+        out_base = e.owned(bi)[0] if e.shards_weights and bi in e.layer_of else 0
         # the gradient as (first block offset, flat tensor) pieces: the whole block's, or one
         # per slot where they were adopted as autograd made them (grad_storage.Adopted)
         # (or this rank's shard of it, ZeRO stage 2: keyed by the shard's first offset)
@@ -164,16 +166,17 @@ class BlockStepper:
                 m = slice(a - lo, b - lo)
                 if step is None:  # no gradient this window: left as it is (torch skips it)
                     if not fp32:
-                        out16[a:b].copy_(master[m])
+                        out16[a - out_base:b - out_base].copy_(master[m])
                     continue
                 base = begin if per_slot else whole_base
                 g = pieces[base][a - base:b - base]
                 self.kernel(master[m], exp_avg[m], exp_avg_sq[m], g, step=step, lr=u.lr,
                             beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                            grad_scale=u.grad_scale, out16=None if fp32 else out16[a:b])
+                            grad_scale=u.grad_scale,
+                            out16=None if fp32 else out16[a - out_base:b - out_base])
             # weights that are views of the masters themselves were updated in place
             if fp32 and where[0] != "shared":
-                out16[lo:hi].copy_(master)
+                out16[lo - out_base:hi - out_base].copy_(master)
             rep.cpu_step_s += time.perf_counter() - t0
             e.state.release(unit, modified=True)
         e.grads.release_buffer(bi)

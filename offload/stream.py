@@ -105,7 +105,8 @@ class BlockStreamer:
                  pin: bool = True, zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
                  progress: Callable[[int], None] | None = None,
                  host_flats: Sequence[torch.Tensor | None] | None = None,
-                 expected_crc32: Callable[[int], int | None] | None = None):
+                 expected_crc32: Callable[[int], int | None] | None = None,
+                 shards=None):
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         if len(residency) != len(layers):
@@ -122,6 +123,11 @@ class BlockStreamer:
             raise StreamError("zero_copy_host is only possible when the device is the CPU")
         self.fetch_delay_s = fetch_delay_s
         self.expected_crc32 = expected_crc32
+        # ZeRO stage 3 (offload/zero.py ShardGather): each cpu-tier block's home holds only this
+        # rank's shard; a fetch puts it in its part of the slot and all-gathers the rest from
+        # the other ranks, on the stage thread, so the gather of the next block overlaps the
+        # compute of this one
+        self.shards = shards
         self.pin = pin and self.cuda
         if self.pin:
             freeze_pin_cap()  # before the first pinned buffer: see offload/tiers.py
@@ -142,6 +148,8 @@ class BlockStreamer:
         self._host_values: dict[int, dict[str, torch.Tensor]] = {}  # module-sourced weights
         self._jobs: dict[int, tuple[Future, Slot]] = {}
         self._bound: dict[int, torch.Tensor] = {}  # block -> the slot view it is bound to
+        if shards is not None and any(r != "cpu" for r in residency):
+            raise StreamError("sharded blocks (ZeRO stage 3) stream from the cpu tier only")
         self._hooks: list = []
         self.schedule: list[int] = list(range(len(layers)))
         self.cyclic = True
@@ -211,6 +219,13 @@ class BlockStreamer:
         """Bytes of block i in the compute dtype (what a slot holds)."""
         return self.blocks[i].numel * self.dtype.itemsize
 
+    def _slot_block_bytes(self, i: int) -> int:
+        """What a slot must hold for block i: the block, or its padded length when the slot
+        receives an all-gather of equal shards."""
+        if self.shards is None:
+            return self.block_bytes(i)
+        return self.shards.padded(self.blocks[i].numel) * self.dtype.itemsize
+
     def _streamed(self, i: int) -> bool:
         tier = self.residency[i]
         return tier == "nvme" or (tier == "cpu" and not self.zero_copy_host)
@@ -235,7 +250,7 @@ class BlockStreamer:
             return
         tiers = {self.residency[i] for i in streamed}
         n_slots = 1 + max(self.depth[t] for t in tiers)
-        slot_bytes = self.slot_raw_bytes(max(self.block_bytes(i) for i in streamed), self.cuda)
+        slot_bytes = self.slot_raw_bytes(max(self._slot_block_bytes(i) for i in streamed), self.cuda)
         raws = []
         for _ in range(n_slots):
             raw = (torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda
@@ -305,9 +320,11 @@ class BlockStreamer:
             return
         if self._adopt[i] is not None:
             flat = self._adopt[i]
-            if tier != "cpu" or flat.numel() != self.blocks[i].numel or flat.dtype != self.dtype:
+            want = (self.blocks[i].numel if self.shards is None else
+                    self.shards.padded(self.blocks[i].numel) // self.shards.world)
+            if tier != "cpu" or flat.numel() != want or flat.dtype != self.dtype:
                 raise StreamError(f"block {i}: an adopted host buffer must be a cpu-tier block's "
-                                  f"{self.blocks[i].numel} values in {self.dtype}")
+                                  f"{want} values in {self.dtype}")
         elif tier == "device" and self.cuda:
             host = aligned_empty(nbytes + ALIGN)
             host_flat = _aligned_view(host, self._shift[i], nbytes).view(self.dtype)
@@ -365,7 +382,21 @@ class BlockStreamer:
             time.sleep(self.fetch_delay_s)
         dst = self._slot_view(i, slot)
         tier, moved = self.residency[i], {}
-        if self.cuda:
+        if self.shards is not None:  # this rank's shard into its part, the rest from its peers
+            whole = _aligned_view(slot.raw, 0 if self.cuda else self._shift[i],
+                                  self._slot_block_bytes(i)).view(self.dtype)
+            if self.cuda:
+                with torch.cuda.device(self.device), on_stream(self.copy_stream):
+                    if wait_free is not None:  # the slot's previous owner's kernels first
+                        self.copy_stream.wait_event(wait_free)
+                    self.shards.part(whole).copy_(self._host[i], non_blocking=True)
+                    self.shards.gather(whole)  # NCCL orders itself after the copy stream
+                    slot.ready.record(self.copy_stream)
+            else:
+                self.shards.part(whole).copy_(self._host[i])
+                self.shards.gather(whole)
+            moved["h2d"] = self._host[i].numel() * self.dtype.itemsize
+        elif self.cuda:
             with torch.cuda.device(self.device):
                 self._job_cuda(i, slot, staging, wait_free, dst, moved)
         elif tier == "cpu":

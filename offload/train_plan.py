@@ -120,7 +120,9 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     sizes = [n for n, _ in blocks]
     layers = [i for i, (_, is_layer) in enumerate(blocks) if is_layer]
     itemsize = cfg.torch_dtype.itemsize
-    streamed = set(layers) if cfg.offload_params != "none" else set()
+    # stage 3 across ranks streams every layer from this rank's shard of it (offload/zero.py)
+    stage3 = world > 1 and cfg.zero_stage == 3
+    streamed = set(layers) if cfg.offload_params != "none" or stage3 else set()
     cuda = device.type == "cuda"
     # Host buffers that cross the link are pinned on a GPU, and pinned memory comes in powers
     # of two (offload/tiers.py, pinned_bytes): plan what they really take (desk review H4).
@@ -138,8 +140,9 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     parts = [resident_weight_bytes([] if shared else resident, itemsize)]
     if streamed:
         parts.append(TrainingStreamer.plan_bytes(
-            streamed_sizes, cfg.offload_params, itemsize, cuda=cuda, pin=pin, host_ahead=1,
-            nvme_ahead=cfg.prefetch_blocks))
+            streamed_sizes, "cpu" if stage3 else cfg.offload_params, itemsize, cuda=cuda,
+            pin=pin, host_ahead=1, nvme_ahead=cfg.prefetch_blocks, world=world if stage3 else 1,
+            home="device" if stage3 and cfg.offload_params == "none" else "host"))
     if cfg.offload == "nvme":
         parts.append(NvmeState.plan_bytes(state_sizes, cfg.buffer_count, cfg.sub_group_size))
     else:

@@ -72,8 +72,14 @@ class TrainingStreamer:
     def __init__(self, layers: nn.ModuleList, blocks: list[Block], layer_block: list[int],
                  tier: str, *, device: torch.device, dtype: torch.dtype, pin: bool,
                  flats16: list[torch.Tensor | None], store=None, account: MemoryAccount,
-                 host_ahead: int, nvme_ahead: int, fetch_delay_s: float = 0.0):
+                 host_ahead: int, nvme_ahead: int, fetch_delay_s: float = 0.0, shards=None,
+                 home: str = "host"):
+        """`shards` (ZeRO stage 3 across ranks, offload/zero.py ShardGather): `flats16` hold
+        only this rank's shard of each block (tier "cpu"), gathered from the other ranks at
+        each fetch; `home`: the account's tier for those flats ("device" when they live in
+        device memory: offload_params="none" at stage 3)."""
         self.layers, self.blocks, self.tier = layers, blocks, tier
+        self.shards = shards
         self.layer_block = layer_block  # layer index -> engine block index
         self.store = store
         n = len(layers)
@@ -82,12 +88,12 @@ class TrainingStreamer:
         if tier == "cpu":
             for li in range(n):
                 flat = flats16[li]
-                if pin and torch.cuda.is_available() and not flat.is_pinned():
+                if home == "host" and pin and torch.cuda.is_available() and not flat.is_pinned():
                     pinned = host_empty(flat.numel(), dtype, pin=True)
                     pinned.copy_(flat)
                     flat = pinned
                 host_flats[li] = flat
-                account.add("host", "weights", flat.numel() * flat.element_size())
+                account.add(home, "weights", flat.numel() * flat.element_size())
         else:
             files = []  # the engine already wrote each block's weights to its swap file
             for li in range(n):
@@ -98,7 +104,8 @@ class TrainingStreamer:
                                       host_ahead=host_ahead, nvme_ahead=nvme_ahead,
                                       io=store.engine if store is not None else None, pin=pin,
                                       zero_copy_host=False, fetch_delay_s=fetch_delay_s,
-                                      host_flats=host_flats, expected_crc32=self._expected_crc32)
+                                      host_flats=host_flats, expected_crc32=self._expected_crc32,
+                                      shards=shards)
         # the streamer may have replaced Parameter objects (meta / other dtype): the engine's
         # slots must name the ones the model now holds
         for li in range(n):
@@ -124,16 +131,24 @@ class TrainingStreamer:
 
     @staticmethod
     def plan_bytes(layer_numels: list[int], tier: str, itemsize: int, *, cuda: bool,
-                   pin: Callable[[int], int], host_ahead: int, nvme_ahead: int) -> PlanBytes:
+                   pin: Callable[[int], int], host_ahead: int, nvme_ahead: int,
+                   world: int = 1, home: str = "host") -> PlanBytes:
         """What the constructor allocates for layers of these sizes streamed from `tier`: the
         device slots (one running + the blocks in flight), the weights' home, and on a GPU the
         pinned staging between disk and device (on the CPU, with weights stored in the compute
-        dtype, reads go straight into the slot)."""
-        largest = max(layer_numels) * itemsize
+        dtype, reads go straight into the slot). `world` > 1: ZeRO stage 3 -- slots hold the
+        padded block, the home (`home`: "host" or "device") one shard of each."""
+        from offload.zero import Shards
+        padded = [Shards(n, world).padded if world > 1 else n for n in layer_numels]
+        largest = max(padded) * itemsize
         depth = nvme_ahead if tier == "nvme" else host_ahead
         out = {("device", "weights"): (1 + depth) * BlockStreamer.slot_raw_bytes(largest, cuda)}
         if tier == "cpu":
-            out["host", "weights"] = sum(pin(n * itemsize) for n in layer_numels)
+            homes = [p // world * itemsize for p in padded]
+            if home == "device":
+                out["device", "weights"] += sum(homes)
+            else:
+                out["host", "weights"] = sum(pin(b) for b in homes)
         else:
             out["nvme", "weights"] = sum(layer_numels) * itemsize
             if cuda:
@@ -244,8 +259,9 @@ class TrainingStreamer:
         return self.store.write(self.name(self.blocks[self.layer_block[li]]), flat16)
 
     def load_weights(self, li: int, flat16: torch.Tensor) -> None:
+        """Block li's weights (this rank's shard of them at stage 3) into their home."""
         if self.tier == "cpu":
-            self.streamer.host_buffer(li).copy_(flat16)
+            self.streamer.host_buffer(li)[:flat16.numel()].copy_(flat16)
         else:
             self.write_weights(li, flat16).wait()
 

@@ -16,10 +16,18 @@ tensor, with equal parts, as NCCL and gloo want them.
            micro-batch, as soon as it is complete, and a rank keeps only its shard of it
            (offload/zero_grads.py): the gradients take 1/N of the memory, and with gradient
            accumulation the reduction runs once per micro-batch instead of once per update.
+  stage 3  as stage 2, and each layer's 16-bit weights live as this rank's shard only (on the
+           device, or in host RAM with offload_params="cpu"): the block streamer gathers a
+           layer from every rank's shard just before it runs, in forward and again in
+           backward, and drops it after (ShardGather); the step writes the rank's new shard
+           in place. The non-layer block (embeddings, final norm, head) stays whole on every
+           rank, stepped by shards and all-gathered after the step as at stage 1.
 
 Per update a rank sends (ring algorithms, n elements of the block): all-reduce 2n(N-1)/N,
 reduce-scatter and all-gather n(N-1)/N each -- so stages 0, 1 and 2 move the same 2Φ elements
-per rank, the ZeRO paper's point: sharding the optimizer state costs no extra communication.
+per rank, the ZeRO paper's point: sharding the optimizer state costs no extra communication;
+stage 3 adds the layers' gathers in forward and backward (at most 3Φ: the last layer is
+gathered once, it stays bound between its forward and backward, and the non-layer block once).
 `CommCounter` counts exactly that, per collective, from the calls made.
 
 Every collective is issued in the same order on every rank (blocks in step order, never in the
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -41,7 +50,7 @@ from offload.config import ConfigError
 
 ALIGN_ELEMS = 64  # shard boundaries on 64 elements: 128/256-byte aligned in 16/32 bits
 DEFAULT_TIMEOUT_S = 60.0  # a dead peer ends the job within this long, not NCCL's 10-30 min
-STAGES = (0, 1, 2)  # built; stage 3 (sharded 16-bit weights) is refused in one line for now
+STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -70,19 +79,23 @@ class Shards:
 @dataclass
 class CommCounter:
     """Elements one rank sent per collective kind (ring algorithms), their bytes, and the time
-    spent waiting for them."""
+    spent waiting for them. Thread-safe: stage 3's weight gathers are counted by the streamer's
+    stage thread."""
     elements: dict[str, int] = field(default_factory=dict)
     nbytes: dict[str, int] = field(default_factory=dict)
     wait_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, kind: str, numel: int, itemsize: int, world: int) -> None:
         factor = 2 if kind == "all_reduce" else 1
         sent = factor * numel * (world - 1) // world
-        self.elements[kind] = self.elements.get(kind, 0) + sent
-        self.nbytes[kind] = self.nbytes.get(kind, 0) + sent * itemsize
+        with self._lock:
+            self.elements[kind] = self.elements.get(kind, 0) + sent
+            self.nbytes[kind] = self.nbytes.get(kind, 0) + sent * itemsize
 
     def snapshot(self) -> dict[str, int]:
-        return dict(self.nbytes)
+        with self._lock:
+            return dict(self.nbytes)
 
 
 def env_world() -> tuple[int, int, int]:
@@ -199,12 +212,14 @@ class ZeroGroup:
 
     # -- weights ----------------------------------------------------------------------------
     def gather_weights(self, flats: list[torch.Tensor], order: list[int]) -> float:
-        """Stages 1-2: every rank's updated shard of each block to every rank (in place: the
-        input is this rank's part of the padded flat buffer). Seconds waited."""
+        """Stages 1-3: every rank's updated shard of each resident block to every rank (in
+        place: the input is this rank's part of the padded flat buffer). Seconds waited."""
         t0 = time.perf_counter()
         works = []
         for bi in order:
             flat = flats[bi]
+            if flat is None:  # stage 3: a streamed block, gathered when it is fetched
+                continue
             size = flat.numel() // self.world
             mine = flat[self.rank * size:(self.rank + 1) * size]
             works.append(_all_gather(flat, mine, group=self.group, async_op=True))
@@ -308,3 +323,30 @@ class BlockReducer:
         waited = time.perf_counter() - t0
         z.comm.wait_s += waited
         return waited
+
+
+class ShardGather:
+    """Stage 3: a streamed block's 16-bit weights live as this rank's shard only (its home, in
+    the tier offload_params names); the block streamer (offload/stream.py) puts the shard in
+    its part of a slot and calls gather() to fill the rest from the other ranks, just before
+    the block runs in forward and again in backward, and drops the slot after. The gathers run
+    on the streamer's stage thread, on a process group of their own: a group's collectives must
+    be issued in one order, and the main thread issues the gradient collectives meanwhile."""
+
+    def __init__(self, zero: ZeroGroup):
+        self.zero, self.world, self.rank = zero, zero.world, zero.rank
+        self.group = dist.new_group(ranks=list(range(zero.world)))  # every rank calls it, once
+
+    def padded(self, numel: int) -> int:
+        return self.zero.shards(numel).padded
+
+    def part(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a padded block buffer."""
+        size = whole.numel() // self.world
+        return whole[self.rank * size:(self.rank + 1) * size]
+
+    def gather(self, whole: torch.Tensor) -> None:
+        """Every rank's part into `whole`, in place (this rank's part is already there); the
+        main thread's wait for it is the streamer's own wait time."""
+        _all_gather(whole, self.part(whole), group=self.group)
+        self.zero.comm.add("all_gather_fetch", whole.numel(), whole.element_size(), self.world)

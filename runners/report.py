@@ -54,7 +54,13 @@ class Banner:
             f"{_budget(cfg.budget_bytes('host'))}"
             + (f", nvme {_budget(cfg.budget_bytes('nvme'))}" if cfg.offload == "nvme" else ""),
         ]
-        if cfg.offload_params != "none":
+        if self.world > 1 and cfg.zero_stage == 3:
+            where = "host RAM" if cfg.offload_params == "cpu" else "device memory"
+            lines.append(f"  weights   each rank keeps its 1/{self.world} of every block's {cfg.dtype} "
+                         f"weights in {where}; a block is gathered from all ranks one block ahead "
+                         f"in forward and backward and dropped after it runs (embeddings and head "
+                         f"stay whole)")
+        elif cfg.offload_params != "none":
             lines.append(f"  weights   the blocks' {cfg.dtype} weights live in "
                          f"{'host RAM' if cfg.offload_params == 'cpu' else 'NVMe swap files'} and are "
                          f"streamed to the device one block ahead in forward and backward")
@@ -64,12 +70,14 @@ class Banner:
         if self.world > 1:
             phi = self.plan.num_params
             formula = zero_state_bytes(cfg, phi, self.world)
+            moved = 3 if cfg.zero_stage == 3 else 2
             lines.append(f"  ranks     {self.world} data-parallel ranks, ZeRO stage {cfg.zero_stage}: "
                          f"model states per rank " + ", ".join(
                              f"{k} {format_bytes(v)}" for k, v in formula.items())
                          + f" (Φ = {phi / 1e6:.1f}M parameters); gradients and weights move "
-                         f"{format_bytes(2 * phi * (self.world - 1) / self.world * cfg.torch_dtype.itemsize)}"
-                         f" per rank per update (2Φ(N-1)/N)")
+                         f"{format_bytes(moved * phi * (self.world - 1) / self.world * cfg.torch_dtype.itemsize)}"
+                         f" per rank per update ({moved}Φ(N-1)/N"
+                         + (", at most" if cfg.zero_stage == 3 else "") + ")")
         path, why = cfg.step_path(self.world)
         lines.append("  CPU step  " + {"overlapped": "overlapped with backward: ",
                                        "delayed": "one step delayed: ",
@@ -87,7 +95,7 @@ def zero_state_bytes(cfg: OffloadConfig, phi: int, world: int) -> dict[str, int]
     item = cfg.torch_dtype.itemsize
     grad_item = 4 if cfg.grad_accum_steps > 1 else item
     shard = lambda n, stage: n // world if cfg.zero_stage >= stage else n  # noqa: E731
-    return {"weights": phi * item, "gradients": shard(phi * grad_item, 2),
+    return {"weights": shard(phi * item, 3), "gradients": shard(phi * grad_item, 2),
             "masters + moments": shard(12 * phi, 1)}
 
 
@@ -132,7 +140,8 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
                         ("nvme_read", "nvme read (state)"), ("nvme_write", "nvme write (state)"),
                         ("all_reduce", "all-reduce (grads, sent)"),
                         ("reduce_scatter", "reduce-scatter (grads, sent)"),
-                        ("all_gather", "all-gather (weights, sent)")):
+                        ("all_gather", "all-gather (weights, sent)"),
+                        ("all_gather_fetch", "all-gather (stage 3 fetch)")):
         b = totals.get("bytes_" + link, 0)
         if b:
             lines.append(f"    {label:<28} {format_bytes(b):>10}  {format_bytes(b / updates):>10}")

@@ -84,21 +84,60 @@ def rel_diff(a: dict, b: dict) -> float:
                 / b[k].double().abs().max().clamp_min(1e-12)).item() for k in a)
 
 
-def check_sent(sent: dict, stage: int, phi: int, world: int, accum: int) -> None:
+def block_sizes(masters: dict) -> tuple[list[int], int]:
+    """(each layer's elements in order, the rest's) from a model's parameter names."""
+    layers: dict[int, int] = {}
+    rest = 0
+    for name, t in masters.items():
+        parts = name.split(".")
+        if "layers" in parts:
+            i = int(parts[parts.index("layers") + 1])
+            layers[i] = layers.get(i, 0) + t.numel()
+        else:
+            rest += t.numel()
+    return [layers[i] for i in sorted(layers)], rest
+
+
+def check_sent(sent: dict, stage: int, phi: int, world: int, accum: int,
+               masters: dict | None = None) -> float:
     """What one rank sent in an update (fp32): an all-reduce of 2 Phi (N-1)/N at stage 0; a
     reduce-scatter and an all-gather of Phi (N-1)/N each from stage 1 on -- the same 2 Phi
-    (N-1)/N -- except that stage 2 reduces every micro-batch (accum times)."""
+    (N-1)/N -- except that stages 2-3 reduce every micro-batch (accum times). Stage 3 gathers
+    each layer in every forward and backward (the last layer once: it stays bound between
+    them) and the non-layer block, kept whole, once after the step: at most 3 Phi (N-1)/N.
+    Returns the total over 2 Phi (N-1)/N."""
     part = phi * (world - 1) / world * 4
     want = ({"all_reduce": 2 * part} if stage == 0 else
-            {"reduce_scatter": part * (accum if stage == 2 else 1), "all_gather": part})
+            {"reduce_scatter": part * (accum if stage >= 2 else 1), "all_gather": part})
+    if stage == 3:
+        from offload.zero import Shards
+        layers, rest = block_sizes(masters)
+        pad = [Shards(n, world).padded for n in layers]
+        scale = (world - 1) / world * 4
+        want["all_gather"] = Shards(rest, world).padded * scale
+        want["all_gather_fetch"] = accum * (2 * sum(pad) - pad[-1]) * scale
+        assert sum(want.values()) <= 1.02 * 3 * part * accum
     assert set(sent) == set(want), (stage, sent)
     for k, v in want.items():
         assert abs(sent[k] - v) <= 0.05 * v, (stage, k, sent[k], v)
+    return sum(sent.values()) / (2 * part)
 
 
-def check_state_bytes(memory: list[dict], stage: int, offload: str, phi: int, world: int) -> None:
+def check_plan(plan: dict, peaks: dict, what) -> None:
+    """The per-rank plan is what rank 0 (the largest shards) allocated: model states exactly,
+    buffers at most (stage 2's whole-block buffers in flight are planned at their bound)."""
+    for key, held in peaks.items():
+        if key[1] == "buffers":
+            assert held <= plan.get(key, 0), (what, key, held, plan.get(key))
+        else:
+            assert held == plan.get(key), (what, key, held, plan.get(key))
+
+
+def check_state_bytes(memory: list[dict], stage: int, offload: str, phi: int, world: int,
+                      offload_params: str = "none", masters: dict | None = None) -> None:
     """Per rank, fp32: masters and moments 12 Phi at stage 0 and 12 Phi / N from stage 1;
-    gradients 4 Phi, / N at stage 2 (whole-block buffers in flight count as buffers)."""
+    gradients 4 Phi, / N from stage 2 (whole-block buffers in flight count as buffers); at
+    stage 3 each layer's weights' home is 4 Phi_layer / N (the non-layer block stays whole)."""
     tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
     grads_tier = "device" if offload == "none" else "host"
     for rank_mem in memory:
@@ -106,11 +145,17 @@ def check_state_bytes(memory: list[dict], stage: int, offload: str, phi: int, wo
         want = 12 * phi / (world if stage >= 1 else 1)
         assert abs(state - want) <= 0.05 * want, (stage, offload, state, want)
         grads = rank_mem[grads_tier]["grads"]
-        want = 4 * phi / (world if stage == 2 else 1)
+        want = 4 * phi / (world if stage >= 2 else 1)
         assert abs(grads - want) <= 0.05 * want, (stage, offload, grads, want)
+        if stage == 3 and offload_params == "cpu":  # layers' homes in host RAM
+            layers, _ = block_sizes(masters)
+            want = 4 * sum(layers) / world
+            got = rank_mem["host"]["weights"]
+            assert abs(got - want) <= 0.05 * want, (offload, got, want)
 
 
-CONFIGS = [(stage, offload) for stage in (0, 1, 2) for offload in ("none", "cpu", "nvme")]
+CONFIGS = ([(stage, offload, "none") for stage in (0, 1, 2) for offload in ("none", "cpu", "nvme")]
+           + [(3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "cpu")])
 
 
 @pytest.mark.parametrize("world,kind", [(2, "tiny"), (3, "tiny"), (2, "hf")])
@@ -121,20 +166,22 @@ def test_ranks_match_one_process_adamw(world, kind, tmp_path):
         pytest.importorskip("transformers")
     configs = [dict(OPT, dtype="fp32", device="cpu", exact_optimizer=True, grad_clip=CLIP,
                     grad_accum_steps=ACCUM, offload=offload, zero_stage=stage,
+                    offload_params=params,
                     nvme_dir=str(tmp_path / "swap") if offload == "nvme" else None)
-               for stage, offload in CONFIGS]
+               for stage, offload, params in CONFIGS]
     spec = dict(model=kind, updates=UPDATES, rows=ROWS, seq=SEQ, configs=configs)
     results = launch_ranks(spec, world, tmp_path)
     ref, ref_losses, phi = reference(kind)
     worst = 0.0
-    for (stage, offload), res in zip(CONFIGS, results):
+    for (stage, offload, params), res in zip(CONFIGS, results):
         d = rel_diff(res["masters"], ref)
         dl = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses))
         worst = max(worst, d, dl)
         assert d <= TOLERANCE and dl <= TOLERANCE, (stage, offload, d, dl)
         assert len(res["sent"]) == UPDATES
-        check_sent(res["sent"][-1], stage, phi, world, ACCUM)
-        check_state_bytes(res["memory"], stage, offload, phi, world)
+        check_sent(res["sent"][-1], stage, phi, world, ACCUM, res["masters"])
+        check_plan(res["plan"], res["peaks"], (stage, offload, params))
+        check_state_bytes(res["memory"], stage, offload, phi, world, params, res["masters"])
     print(f"\nworld {world} {kind}: worst relative difference to one-process AdamW {worst:.2e}")
 
 
@@ -200,6 +247,11 @@ def test_saved_shards_resume_exactly_and_on_other_world_sizes(tmp_path):
                   load=saved, skip=half)
     three = launch_ranks(dict(spec, configs=[other]), 3, tmp_path / "c")[0]
     assert rel_diff(three["masters"], ref["masters"]) <= TOLERANCE
+    # stage 3: each rank loads its shard of the layers' weights into their home
+    sharded = _fp32(tmp_path, offload="cpu", zero_stage=3, offload_params="cpu", load=saved,
+                    skip=half)
+    stage3 = launch_ranks(dict(spec, configs=[sharded]), 2, tmp_path / "d")[0]
+    assert rel_diff(stage3["masters"], ref["masters"]) <= TOLERANCE
     # one process: the same files, the whole of every block
     model = make_model("tiny")
     engine = offload.initialize(model, {k: v for k, v in rest.items() if k not in ("load", "skip")})

@@ -77,15 +77,18 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
         losses.append(mean.item() / world)
         if engine.step():
             sent.append({k: v for k, v in engine.last_report.bytes.items()
-                         if k in ("all_reduce", "reduce_scatter", "all_gather")})
+                         if k in ("all_reduce", "reduce_scatter", "all_gather", "all_gather_fetch")})
             if save and len(sent) == save_after:
                 engine.save_state(save)
     masters = engine.master_params()
     memory = engine.account.report()
+    plan = {(t, k): v for t, kinds in engine.plan.bytes.items() for k, v in kinds.items() if v}
+    peaks = engine.account.kind_peaks()
     engine.close()
     memories = [None] * world
     dist.all_gather_object(memories, memory)
     return {"losses": losses, "masters": masters, "memory": memories, "sent": sent,
+            "plan": plan, "peaks": peaks,
             "grad_norm": engine.last_report.grad_norm}
 
 
