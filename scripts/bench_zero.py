@@ -1,7 +1,8 @@
-"""ZeRO stages 0, 1 and 2 across data-parallel ranks (offload/zero.py) on one machine, next to
+"""ZeRO stages 0-3 across data-parallel ranks (offload/zero.py) on one machine, next to
 PyTorch's own sharded data parallelism (FSDP2, torch.distributed.fsdp.fully_shard) on the same
 model and world size: median step time, per-rank model-state bytes per tier beside the ZeRO
-formulas, and the bytes one rank sends per update beside 2Φ(N-1)/N.
+formulas, and the bytes one rank sends per update beside 2Φ(N-1)/N (3Φ(N-1)/N at stage 3).
+`--stage3-worlds 2 4` adds stage-3 rows at those world sizes: per-rank RSS as N grows.
 
 Each row is a fresh set of N rank processes of this script (gloo, torchrun's environment), so a
 row's RSS is its own and a broken row cannot hang the next; rank results come back as JSON files.
@@ -36,9 +37,9 @@ import offload  # noqa: E402
 from offload.tiers import cpu_model  # noqa: E402
 
 MIB = 2**20
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_gather_fetch")
 BASE_ROW = "offload s0 cpu"  # "vs s0": every row against plain data parallelism (ours)
-SHORT = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag"}
+SHORT = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag", "all_gather_fetch": "agf"}
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,15 @@ class Row:
     stage: int  # the ZeRO stage whose formula applies (FSDP2 shards weights too: stage 3)
     offload: str = "none"  # engine: where optimizer state lives; fsdp2: "cpu" = CPUOffloadPolicy
     state_bytes: int = 12  # optimizer state per parameter: fp32 masters + 2 moments, or moments
+    params: str = "none"  # engine stage 3: where each rank's shard of the layers' weights lives
 
 
 def plan_rows(args: argparse.Namespace) -> list[Row]:
     n = args.ranks
     tiers = ["cpu"] + (["nvme"] if args.nvme_dir else [])
     rows = [Row(f"offload s{s} {t}", "offload", n, s, t) for t in tiers for s in (0, 1, 2)]
+    rows += [Row(f"offload s3 {t} N{w}", "offload", w, 3, t, params="cpu")
+             for w in args.stage3_worlds or [n] for t in tiers]
     # fp32 params are their own masters in torch.optim.AdamW: 8 bytes of moments per parameter
     rows += [Row("fsdp2", "fsdp2", n, 3, "none", 8), Row("fsdp2+cpuoffload", "fsdp2", n, 3, "cpu", 8)]
     # one process on all the cores over the whole global batch: the same work, no collectives
@@ -102,6 +106,7 @@ def timed(step, warmup: int, steps: int) -> list[float]:
 def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     model = make_model(args)
     cfg = offload.OffloadConfig(zero_stage=row.stage, offload=row.offload, dtype="fp32",
+                                offload_params=row.params,
                                 device="cpu", lr=args.lr, weight_decay=0.01, grad_clip=args.clip,
                                 nvme_dir=args.nvme_row_dir if row.offload == "nvme" else None)
     engine = offload.initialize(model, cfg)
@@ -256,7 +261,7 @@ def formula(row: Row, phi: int) -> dict[str, float]:
     return {"weights": 4 * phi / (n if row.stage >= 3 else 1),
             "grads": 4 * phi / (n if row.stage >= 2 else 1),
             "state": row.state_bytes * phi / (n if row.stage >= 1 else 1),
-            "sent": 2 * phi * (n - 1) / n * 4}
+            "sent": (3 if row.stage == 3 else 2) * phi * (n - 1) / n * 4}
 
 
 def mib(x: float | None) -> str:
@@ -319,6 +324,8 @@ def main() -> None:
     ap.add_argument("--nvme-dir", default=None, help="add nvme rows, swap files under this folder")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a row may take")
     ap.add_argument("--rows", nargs="+", default=None, help="only the rows whose name starts so")
+    ap.add_argument("--stage3-worlds", type=int, nargs="+", default=None,
+                    help="world sizes of the stage-3 rows (default: --ranks)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -339,7 +346,8 @@ def main() -> None:
           f"{args.warmup} warm-up")
     print("bytes: MiB, measured/formula, the largest rank; formula: weights 4Φ, grads 4Φ, state "
           "12Φ (engine: masters+moments) or 8Φ (torch AdamW: moments), /N from stage 1 (state), "
-          "2 (grads), 3 (FSDP2: weights); sent/update: 2Φ(N-1)/N x 4 B; step: slowest rank; "
+          "2 (grads), 3 (weights; ours keeps embeddings/head whole and counts its gather slots); "
+          "sent/update: 2Φ(N-1)/N x 4 B (3Φ at stage 3, an upper bound); step: slowest rank; "
           "rss: MiB at the end, +rss: growth since before the model was built")
     print(HEAD)
     tmp = tempfile.mkdtemp(prefix="bench-zero-")

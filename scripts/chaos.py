@@ -4,6 +4,7 @@ that the end result is bit-identical to an uninterrupted run of the same seed an
     python scripts/chaos.py                       # 24 kills over a 72-update NVMe run (~6 min)
     python scripts/chaos.py --kills 40 --steps 120 --seed 3 --workdir /tmp/chaos --table out.md
     python scripts/chaos.py --damage 24               # damage swap files under running runs
+    python scripts/chaos.py --ranks 2 --kills 10      # a 2-rank torchrun job, killed whole
 
 What it does:
 1. runs `python -m runners.finetune --offload nvme --save-every S ...` to the end: the reference;
@@ -17,6 +18,10 @@ What it does:
    safetensors shard and the trainer state (loss history, data position, RNG states) byte for
    byte with the reference, and every metrics.jsonl row (a step logged by a launch that was
    later killed and then redone must carry the same loss as its redo and as the reference).
+
+With --ranks N the runs are torchrun jobs of N ranks (ZeRO stage --zero-stage, default 2; each
+rank saves its shards) and every kill is a SIGKILL of the whole job -- the launcher and every
+rank at once -- at a random moment; the reference is an uninterrupted N-rank run.
 
 With --damage N it runs a different campaign: N fresh runs, each of which gets one of its
 optimizer-state swap files damaged at a random moment while it trains (one byte flipped, a NaN
@@ -300,7 +305,27 @@ def choose_kill(rng: random.Random, remaining: int, save_every: int, max_delay: 
     return f"{phase}:{rate * (update - 1) + rng.randint(1, rate)}:{when}"
 
 
-def run_launch(cmd: list[str], plan: str, log: str, phase_file: str, timeout: float) -> tuple[int, str]:
+def kill_job(p: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it at once (torchrun may start its ranks in
+    process groups of their own), and wait until all are gone: the next launch must not find
+    the run directory still locked by a dying rank."""
+    import psutil
+    try:
+        procs = [psutil.Process(p.pid)] + psutil.Process(p.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+def run_launch(cmd: list[str], plan: str, log: str, phase_file: str, timeout: float,
+               job: bool = False) -> tuple[int, str]:
+    """`job`: cmd is a launcher with children (torchrun): a kill is a SIGKILL of the launcher and
+    every rank at once (kill_job)."""
     env = _env()
     env[PHASE_ENV] = phase_file
     if os.path.exists(phase_file):
@@ -313,19 +338,27 @@ def run_launch(cmd: list[str], plan: str, log: str, phase_file: str, timeout: fl
             if plan.startswith("time:"):
                 # the delay runs from the first training forward: start-up time varies a lot
                 # with the machine's load, the pace of updates much less
-                while p.poll() is None and _read_phase(phase_file) in STARTING:
+                # (a job's: past the first evaluation too, which takes its ranks a while)
+                waits = STARTING + (("eval",) if job else ())
+                while p.poll() is None and _read_phase(phase_file) in waits:
                     time.sleep(0.005)
                 try:
                     rc = p.wait(timeout=float(plan.split(":")[1]))
                 except subprocess.TimeoutExpired:
                     where = _read_phase(phase_file)
-                    p.send_signal(signal.SIGKILL)
+                    if job:
+                        kill_job(p)
+                    else:
+                        p.send_signal(signal.SIGKILL)
                     p.wait()
                     return -signal.SIGKILL, f"{where} (SIGKILL from outside)"
                 return rc, ""
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
+            if job:
+                kill_job(p)
+            else:
+                p.kill()
             p.wait()
             return 124, "timeout"
     where = ""
@@ -394,32 +427,46 @@ def _metric_rows(out: str) -> dict[int, list[dict]]:
     return rows
 
 
+def launcher(ranks: int) -> list[str]:
+    """The command prefix that runs a Python program: the interpreter, or torchrun with `ranks`
+    ranks on a free port (each launch its own: a killed job's port may still be held)."""
+    if ranks <= 1:
+        return [sys.executable]
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+            "--master_port", str(port)]
+
+
 def run_campaign(workdir: str, kills: int, steps: int, save_every: int, seed: int,
                  extra: list[str], rng_seed: int, max_delay: float = 8.0,
                  phases: list[str] | None = None, launch_timeout: float = 600.0,
-                 echo=print) -> Campaign:
+                 echo=print, ranks: int = 1) -> Campaign:
     """Reference run, then the killed-and-resumed run; returns the record (problems empty on
-    success). `phases` forces the kill phases in order (tests); default: random."""
+    success). `phases` forces the kill phases in order (tests); default: random. `ranks` > 1:
+    torchrun jobs, each kill a SIGKILL of the whole job at a random time."""
     rng = random.Random(rng_seed)
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
     ref, out = os.path.join(workdir, "reference"), os.path.join(workdir, "chaos")
     for d in (ref, out):
         shutil.rmtree(d, ignore_errors=True)
     camp = Campaign()
-    base = [sys.executable, "-m", "runners.finetune"]
     t0 = time.perf_counter()
-    r = subprocess.run(base + finetune_args(ref, steps, save_every, seed, extra), env=_env(),
+    r = subprocess.run(launcher(ranks) + ["-m", "runners.finetune"]
+                       + finetune_args(ref, steps, save_every, seed, extra), env=_env(),
                        cwd=REPO, capture_output=True, text=True, timeout=launch_timeout)
     camp.reference_s = time.perf_counter() - t0
     if r.returncode != 0:
         camp.problems.append(f"reference run failed (rc {r.returncode}): {r.stderr[-2000:]}")
         return camp
     echo(f"reference: {steps} updates in {camp.reference_s:.1f} s")
-    child = [sys.executable, os.path.abspath(__file__), "child"]
+    child = [os.path.abspath(__file__), "child"]
     flags = dict(zip(extra[::2], extra[1::2]))  # --batch-size 4 --micro-batch-size 2 ...
     batch = int(flags.get("--batch-size", 16))
     micro_batches = batch // int(flags.get("--micro-batch-size", batch))
-    forced = list(phases or [])
+    forced = list(phases or (["time"] * kills if ranks > 1 else []))
     while True:
         step = checkpoint_step(out)
         resumed = step is not None
@@ -439,8 +486,8 @@ def run_campaign(workdir: str, kills: int, steps: int, save_every: int, seed: in
         log = os.path.join(workdir, "logs", f"launch-{i:03d}.log")
         t = time.perf_counter()
         env_plan = "" if plan == "none" else plan
-        rc, where = run_launch(child + args, env_plan, log, os.path.join(workdir, "phase"),
-                               launch_timeout)
+        rc, where = run_launch(launcher(ranks) + child + args, env_plan, log,
+                               os.path.join(workdir, "phase"), launch_timeout, job=ranks > 1)
         launch.seconds = time.perf_counter() - t
         with open(log) as f:
             text = f.read()
@@ -638,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
     ap.add_argument("--keep", action="store_true", help="keep the workdir")
     ap.add_argument("--table", default=None, help="write the result table (markdown) here")
+    ap.add_argument("--ranks", type=int, default=1, help="torchrun ranks per job (kills: the "
+                    "whole job at random times)")
+    ap.add_argument("--zero-stage", type=int, default=2, help="with --ranks: the ZeRO stage")
     ap.add_argument("--damage", type=int, default=0, metavar="N",
                     help="instead of kills: N runs, each with one swap file damaged mid-run")
     ap.add_argument("finetune_args", nargs="*", help="extra runners.finetune flags (after --)")
@@ -645,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
     workdir = a.workdir or tempfile.mkdtemp(prefix="offload-chaos-")
     extra = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "10", "--warmup-steps", "4"] \
-        + a.finetune_args
+        + (["--zero-stage", str(a.zero_stage)] if a.ranks > 1 else []) + a.finetune_args
     if a.damage:
         rows, problems = run_damage_campaign(workdir, a.damage, a.steps, a.save_every, a.seed,
                                              extra, a.chaos_seed)
@@ -660,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
         return 1 if problems else 0
     camp = run_campaign(workdir, a.kills, a.steps, a.save_every, a.seed, extra, a.chaos_seed,
-                        a.max_delay)
+                        a.max_delay, ranks=a.ranks)
     text = (f"command: python scripts/chaos.py {' '.join(argv)}\n\n" + table(camp) + "\n\n"
             + summary(camp) + "\n")
     print("\n" + text)
