@@ -351,6 +351,8 @@ class Engine:
     def _on_forward_start(self, module, args) -> None:
         # only training forwards count toward the update's time split (not evaluation)
         self._fwd_t0 = time.perf_counter() if torch.is_grad_enabled() else None
+        if self.zero is not None:  # stage 3: an evaluation's weight gathers are counted apart
+            self.zero.fetch_kind = "all_gather_fetch" if self._fwd_t0 else "all_gather_eval"
         if self._fwd_t0 is not None and self._gpu_timer is not None:
             self._gpu_timer.start("forward")
 

@@ -143,14 +143,16 @@ class ZeroGroup:
 
     def __init__(self, stage: int, device: torch.device, group=None):
         if stage not in STAGES:
-            raise ConfigError(f"zero_stage {stage} across ranks is not built yet (sharded 16-bit "
-                              f"weights); use zero_stage 0, 1 or 2, or one process")
+            raise ConfigError(f"zero_stage: must be one of {STAGES}, got {stage!r}")
         self.stage = stage
         self.device = device
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.comm = CommCounter()
+        # what stage 3's weight gathers are counted as: set by the engine at each forward, so
+        # an evaluation's gathers ("all_gather_eval") are not an update's communication
+        self.fetch_kind = "all_gather_fetch"
 
     # -- layout -----------------------------------------------------------------------------
     def shards(self, numel: int) -> Shards:
@@ -349,4 +351,4 @@ class ShardGather:
         """Every rank's part into `whole`, in place (this rank's part is already there); the
         main thread's wait for it is the streamer's own wait time."""
         _all_gather(whole, self.part(whole), group=self.group)
-        self.zero.comm.add("all_gather_fetch", whole.numel(), whole.element_size(), self.world)
+        self.zero.comm.add(self.zero.fetch_kind, whole.numel(), whole.element_size(), self.world)

@@ -141,10 +141,13 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
                         ("all_reduce", "all-reduce (grads, sent)"),
                         ("reduce_scatter", "reduce-scatter (grads, sent)"),
                         ("all_gather", "all-gather (weights, sent)"),
-                        ("all_gather_fetch", "all-gather (stage 3 fetch)")):
+                        ("all_gather_fetch", "all-gather (stage 3 fetch)"),
+                        ("all_gather_eval", "all-gather (stage 3, eval)")):
         b = totals.get("bytes_" + link, 0)
         if b:
             lines.append(f"    {label:<28} {format_bytes(b):>10}  {format_bytes(b / updates):>10}")
+    if getattr(engine, "zero", None) is not None:
+        lines += zero_lines(engine, totals, updates)
     rep = engine.memory_report()
     lines.append("  peak memory per tier")
     for tier in ("device", "host", "nvme"):
@@ -159,6 +162,28 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
     if "peak_device_allocated" in rep["process"]:
         lines.append(f"    {'CUDA allocated':<28} {format_bytes(rep['process']['peak_device_allocated']):>10}")
     return "\n".join(lines)
+
+
+def zero_lines(engine, totals: dict[str, float], updates: int) -> list[str]:
+    """Across ranks: what this rank sent per update against the ZeRO bound, and its model
+    states per kind against the formulas (rank 0's; the others' differ by a padding's worth)."""
+    cfg, world = engine.cfg, engine.world
+    phi = sum(b.numel for b in engine.blocks)
+    k = 3 if cfg.zero_stage == 3 else 2
+    sent = sum(totals.get("bytes_" + c, 0) for c in
+               ("all_reduce", "reduce_scatter", "all_gather", "all_gather_fetch")) / updates
+    bound = k * phi * (world - 1) / world * cfg.torch_dtype.itemsize
+    lines = [f"  ZeRO stage {cfg.zero_stage} over {world} ranks: sent {format_bytes(sent)} per update "
+             f"= {sent / bound:.2f} x {k}Φ(N-1)/N ({format_bytes(bound)})",
+             "  model states per rank  measured     formula"]
+    held = engine.account.kind_peaks()
+    got = {"weights": sum(v for (_, kind), v in held.items() if kind == "weights"),
+           "gradients": sum(v for (_, kind), v in held.items() if kind == "grads"),
+           "masters + moments": sum(v for (_, kind), v in held.items()
+                                    if kind in ("masters", "moments"))}
+    for kind, want in zero_state_bytes(cfg, phi, world).items():
+        lines.append(f"    {kind:<20} {format_bytes(got[kind]):>10}  {format_bytes(want):>10}")
+    return lines
 
 
 def write_loss_plot(history: list[dict[str, Any]], path: str) -> str | None:
