@@ -208,6 +208,42 @@ def test_four_ranks_memory_and_bytes_follow_the_formulas(tmp_path):
         assert rel_diff(res["masters"], results[0]["masters"]) <= TOLERANCE
 
 
+def test_mixed_precision_across_ranks(tmp_path):
+    """bf16: 2 ranks of 3 rows follow one process's 2 micro-batches of 3 rows, at every stage:
+    the loss curves agree within a tenth of how far the updates move the loss (gradients are
+    summed over ranks in bf16, over micro-batches in fp32: the rest is rounding). fp16: an inf
+    loss on rank 1 only makes every rank skip that update and halve the loss scale together."""
+    import offload
+    opt, updates = dict(OPT, lr=1e-3), 8
+    bf16 = [dict(opt, dtype="bf16", device="cpu", offload="cpu", grad_clip=CLIP,
+                 grad_accum_steps=1, zero_stage=s, offload_params="cpu" if s == 3 else "none")
+            for s in (0, 2, 3)]
+    fp16 = dict(opt, dtype="fp16", device="cpu", offload="cpu", grad_clip=CLIP,
+                grad_accum_steps=1, zero_stage=2, poison=[1, 2])
+    results = launch_ranks(dict(model="tiny", updates=updates, rows=ROWS, seq=SEQ,
+                                configs=bf16 + [fp16]), 2, tmp_path)
+    model = make_model("tiny")
+    engine = offload.initialize(model, dict(opt, dtype="bf16", device="cpu", offload="cpu",
+                                            grad_clip=CLIP, grad_accum_steps=2))
+    means = []
+    for ids in batches(vocab_of(model), updates, ROWS, SEQ):
+        total = 0.0
+        for half in ids.chunk(2):
+            loss = lm_loss(model, half)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        means.append(total / 2)
+    engine.close()
+    moved = max(abs(m - means[0]) for m in means)  # what the updates did to the loss
+    for res in results[:3]:
+        worst = max(abs(a - b) for a, b in zip(res["losses"], means))
+        assert worst <= 0.1 * moved, (worst, moved)
+    poisoned = results[3]
+    assert poisoned["skipped"] == 1 and poisoned["global_step"] == updates - 1
+    assert poisoned["loss_scale"] == 2.0 ** 15  # halved once from 2**16, on every rank
+
+
 def test_one_process_zero_stage_is_the_single_process_engine(tmp_path):
     """Without a process group every stage is today's engine, bit for bit."""
     import offload

@@ -56,6 +56,7 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     cfg_kw = dict(cfg_kw)
     load, skip = cfg_kw.pop("load", None), cfg_kw.pop("skip", 0)
     save, save_after = cfg_kw.pop("save", None), cfg_kw.pop("save_after", None)
+    poison = cfg_kw.pop("poison", None)  # [rank, micro-batch]: that rank's loss becomes inf
     model = make_model(spec["model"])
     if rank != 0:  # the engine must start every rank from rank 0's weights
         with torch.no_grad():
@@ -71,6 +72,8 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     losses, sent = [], []
     for i, ids in enumerate(data):
         loss = lm_loss(model, ids[rank * per:(rank + 1) * per])
+        if poison == [rank, i]:
+            loss = loss * float("inf")
         engine.backward(loss)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
@@ -88,7 +91,8 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     memories = [None] * world
     dist.all_gather_object(memories, memory)
     return {"losses": losses, "masters": masters, "memory": memories, "sent": sent,
-            "plan": plan, "peaks": peaks,
+            "plan": plan, "peaks": peaks, "global_step": engine.global_step,
+            "skipped": engine.skipped_steps, "loss_scale": engine.loss_scale,
             "grad_norm": engine.last_report.grad_norm}
 
 
