@@ -17,247 +17,28 @@ import os
 import signal
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from offload.config import format_bytes
 from offload.zero import rank_dir
-from runners.common import (Parser, dtype_label, fail, note_unused_tensors, run_main, select_device,
-                            select_dtype, writable_dir)
+from runners.common import fail, note_unused_tensors, run_main, select_device, writable_dir
+from runners.finetune_args import build_parser, check_args, engine_config
 from runners.ranks import Ranks, is_peer_lost, peer_lost
 from runners.report import finite_or_null, truncate_metrics
 from runners.rundir import RunDirectory, check_resume, check_run_paths, trajectory
 
-DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size=16,
-                micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
-                weight_decay=0.0, grad_clip=1.0, eval_every=50, save_every=0, seed=0)
 # the StepReport fields summed into the run's time split and logged per update
 TIME_KEYS = ("forward_s", "backward_s", "grad_wait_s", "cpu_step_s", "io_wait_s", "upload_s",
              "overlap_wait_s", "hidden_cpu_step_s", "hidden_upload_s", "comm_wait_s",
              "forward_gpu_s", "backward_gpu_s")  # the last two: CUDA only (None on the CPU)
-# OffloadConfig's switches as this runner's flags, for the library's option-combination
-# messages (options with values read the same either way: offload='cpu' is --offload cpu)
-FLAGS = {"activation_checkpointing": "--activation-checkpointing",
-         "offload_activations": "--offload-activations", "delayed_update": "--delayed-update"}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="python -m runners.finetune", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = DEFAULTS
-    ap.add_argument("--model", default=d["model"], help="a Hugging Face checkpoint directory, a .gguf "
-                    "file (F32/F16/BF16/Q8_0/Q4_0/Q4_1, dequantized to fp32 once into a cache) or a preset "
-                    "name (tiny, small, 1B, 3B, 7B, 8B, 13B, 70B, ...; presets start from random weights)")
-    ap.add_argument("--data", default=None, help="a .txt file, a .jsonl file (one example per line: "
-                    "'text', chat 'messages' or ShareGPT 'conversations', 'prompt'/'response', Alpaca "
-                    "'instruction'/'input'/'output'), a .json array of such examples, or a directory of "
-                    "them; chat and instruction examples go through the model's chat template, loss on "
-                    "the assistant's turns; default: the built-in corpus")
-    ap.add_argument("--offload", choices=["none", "cpu", "nvme", "auto"], default=None,
-                    help=f"where fp32 masters and Adam moments live (default {d['offload']}); auto: the "
-                    "planner picks optimizer tier, weight tier, checkpointing and activation offload "
-                    "from the budgets")
-    ap.add_argument("--offload-dir", default=None, help="directory for NVMe swap files "
-                    "(default: OUTPUT/swap); only with --offload nvme")
-    ap.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default=None,
-                    help=f"weights/gradients dtype on the device (default {d['dtype']}: bf16 on a GPU "
-                    "(fp16 where bf16 is unsupported), fp32 on the CPU)")
-    ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
-    ap.add_argument("--batch-size", type=int, default=None, help=f"sequences per update, over all "
-                    f"ranks under torchrun (default {d['batch_size']}, or a DeepSpeed --config's "
-                    f"train_batch_size)")
-    ap.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward/backward "
-                    "on each rank; gradient accumulation = batch-size / ranks / micro-batch-size "
-                    "(default: batch-size / ranks)")
-    ap.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens per sequence")
-    ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d['lr']}); "
-                    "linear warmup then cosine decay")
-    ap.add_argument("--warmup-steps", type=int, default=d["warmup_steps"], help="linear warmup updates")
-    ap.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],
-                    help="final learning rate as a fraction of --lr")
-    ap.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay (default {d['weight_decay']})")
-    ap.add_argument("--grad-clip", type=float, default=None, help=f"max global gradient L2 norm, 0 = off "
-                    f"(default {d['grad_clip']})")
-    ap.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default=None,
-                    help="where the blocks' 16-bit weights live: on the device (none), or streamed to it "
-                    "block by block from host RAM (cpu) or NVMe swap files (nvme) (default none)")
-    ap.add_argument("--activation-checkpointing", action="store_true",
-                    help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
-    ap.add_argument("--offload-activations", action="store_true",
-                    help="keep the checkpointed block inputs in host memory (needs --activation-checkpointing)")
-    ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                    help="under torchrun, ZeRO stage across the data-parallel ranks: 0 every rank "
-                    "keeps all optimizer state, 1 fp32 masters and moments sharded, 2 gradients "
-                    "sharded too (default 0, or a --config's zero_optimization.stage); one process: "
-                    "no effect")
-    ap.add_argument("--delayed-update", action="store_true",
-                    help="one-step delayed update (ZeRO-Offload's DPU): each update's CPU step runs "
-                    "during the next forward and backward, which use the weights from one update "
-                    "earlier; overlaps the step even with clipping (needs --offload cpu/nvme)")
-    ap.add_argument("--delayed-update-warmup", type=int, default=0, help="updates applied "
-                    "synchronously before --delayed-update starts (default 0)")
-    ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="updates between held-out "
-                    "evaluations (0 = only at start and end)")
-    ap.add_argument("--save-every", type=int, default=d["save_every"], help="updates between checkpoints "
-                    "(0 = only at the end)")
-    ap.add_argument("--output", default="runs/finetune", help="output directory: model/ (Hugging Face "
-                    "layout), checkpoint/ (resumable), metrics.jsonl, loss.png")
-    ap.add_argument("--resume", default=None, help="continue from a checkpoint (an --output dir or its "
-                    "checkpoint/ dir); the model and data must be the same")
-    ap.add_argument("--overwrite", action="store_true", help="start over in an --output that holds a "
-                    "previous run (its checkpoint, model, metrics and data are deleted first); without "
-                    "it such a directory is refused unless --resume continues the run")
-    ap.add_argument("--stop-after", type=int, default=None, help="stop after this many updates of this "
-                    "invocation and save a resumable checkpoint (wall-time-limited jobs); the learning-rate "
-                    "schedule still spans --steps")
-    ap.add_argument("--seed", type=int, default=d["seed"], help="seed for init and data order")
-    ap.add_argument("--gpu", type=int, default=None, help="CUDA device index (absent: CPU)")
-    ap.add_argument("--config", default=None, help="a JSON file of engine options (our keys or DeepSpeed's "
-                    "zero_optimization/aio/fp16/bf16/optimizer keys); flags given explicitly win")
-    ap.add_argument("--gpu-memory", default=None, help="device budget, e.g. 20GiB (default: free memory)")
-    ap.add_argument("--cpu-memory", default=None, help="host budget, e.g. 12GiB (default: available RAM)")
-    ap.add_argument("--metrics", default=None, help="JSONL file, one line per update (default OUTPUT/metrics.jsonl)")
-    ap.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return ap
-
-
 def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
     """Learning rate for update number `step` (0-based): linear warmup, cosine to min_ratio."""
     if warmup > 0 and step < warmup:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def check_args(args: argparse.Namespace, world: int = 1) -> None:
-    for name in ("steps", "batch_size", "seq_len"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    _check_batch(args, world)
-    if not 0 <= args.seed < 2**63:  # torch and the data order take 64-bit seeds
-        fail(f"--seed must be in [0, 2**63), got {args.seed}")
-    if args.metrics is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
-        fail(f"--metrics {args.metrics}: its directory does not exist")
-    if args.data is not None:
-        _check_data_files(args.data)
-    if args.delayed_update_warmup < 0:
-        fail(f"--delayed-update-warmup must be >= 0, got {args.delayed_update_warmup}")
-    if args.resume is not None and args.overwrite:
-        fail("--resume continues a run and --overwrite starts one over: give one of them")
-    if args.stop_after is not None and args.stop_after < 1:
-        fail(f"--stop-after must be at least 1, got {args.stop_after}")
-    if args.warmup_steps < 0 or args.eval_every < 0 or args.save_every < 0:
-        fail("--warmup-steps, --eval-every and --save-every must be >= 0")
-    if not 0 <= args.min_lr_ratio <= 1:
-        fail(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
-
-
-def _check_batch(args: argparse.Namespace, world: int = 1) -> None:
-    if args.batch_size is None:
-        return  # the config file or the default decides (engine_config), then checks again
-    if args.batch_size % world:
-        fail(f"--batch-size {args.batch_size} is the global batch: it must divide evenly over "
-             f"the {world} ranks (a multiple of {world})")
-    per_rank = args.batch_size // world
-    mb = per_rank if args.micro_batch_size is None else args.micro_batch_size
-    if mb < 1 or mb > per_rank or per_rank % mb:
-        if world == 1:
-            fail(f"--micro-batch-size {mb} must divide --batch-size {args.batch_size}")
-        fail(f"--micro-batch-size {mb} must divide each rank's share of the batch ({per_rank} "
-             f"= --batch-size {args.batch_size} / {world} ranks)")
-
-
-def _config_batch(args: argparse.Namespace, base: dict, world: int = 1) -> None:
-    """Batch sizes from a DeepSpeed config (train_micro_batch_size_per_gpu, the accumulation
-    steps, the ranks) where the flags give none; where both give them they must agree."""
-    micro = base.pop("micro_batch_size", None)
-    if micro is not None:
-        total = micro * base.get("grad_accum_steps", 1) * world
-        flags = (args.batch_size, args.micro_batch_size or args.batch_size)
-        if args.batch_size is None:
-            args.batch_size, args.micro_batch_size = total, args.micro_batch_size or micro
-        elif flags != (total, micro):
-            fail(f"--batch-size {flags[0]} / micro-batch {flags[1]} disagree with --config "
-                 f"{args.config} (train_batch_size {total}, train_micro_batch_size_per_gpu {micro}); "
-                 f"drop the flags or the config's batch keys")
-    if args.batch_size is None:
-        args.batch_size = DEFAULTS["batch_size"]
-    _check_batch(args, world)
-
-
-def _check_data_files(path: str) -> None:
-    """--data must name regular files (a FIFO or a link to /dev/zero named *.txt would hang the
-    reader or fill the memory); what they contain is checked when they are read."""
-    from offload.data import data_files
-
-    if os.path.lexists(path):  # else the data loader says it does not exist
-        for p in data_files(path):
-            try:
-                os.stat(p)
-            except OSError as e:
-                fail(f"--data {p}: cannot read ({e.strerror})")
-
-
-def engine_config(args: argparse.Namespace, device: torch.device, world: int = 1):
-    """The config file (if any) as the base, explicit flags over it, defaults under both.
-    `world`: data-parallel ranks (--batch-size is over all of them)."""
-    from offload.config import OffloadConfig, combination_error
-    from offload.config_import import AutoValues, load_config_file
-
-    per_rank = args.batch_size // world if args.batch_size else None
-    mb = args.micro_batch_size or per_rank
-    # "auto": bf16 on a GPU -- fp32 there would run full-fp32 GEMMs (TF32 is off by default)
-    # and move twice the bytes per gradient and upload (desk review M4)
-    dtype = dtype_label(select_dtype(args.dtype, device)) if args.dtype else None
-    auto = AutoValues(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      dtype=dtype, micro_batch_size=mb,
-                      grad_accum_steps=per_rank // mb if args.batch_size else None)
-    notes: list[str] = []
-    base = load_config_file(args.config, auto=auto, notes=notes).to_dict() if args.config else {}
-    for note in notes:  # DeepSpeed keys accepted but without effect here: never silently
-        print(f"note: {note}", file=sys.stderr)
-    _config_batch(args, base, world)
-    explicit = {"offload": args.offload, "dtype": dtype, "lr": args.lr,
-                "weight_decay": args.weight_decay, "grad_clip": args.grad_clip}
-    for key, value in explicit.items():
-        if value is not None:
-            base[key] = value
-        elif key not in base or not args.config:
-            base[key] = (dtype_label(select_dtype(DEFAULTS[key], device)) if key == "dtype"
-                         else DEFAULTS[key])
-    if args.offload_params is not None:
-        base["offload_params"] = args.offload_params
-    if args.zero_stage is not None:
-        base["zero_stage"] = args.zero_stage
-    if args.activation_checkpointing:
-        base["activation_checkpointing"] = True
-    if args.offload_activations:
-        base["offload_activations"] = True
-    if args.delayed_update:
-        base["delayed_update"] = True
-        base["delayed_update_warmup"] = args.delayed_update_warmup
-    per_rank = args.batch_size // world
-    base["grad_accum_steps"] = per_rank // (args.micro_batch_size or per_rank)
-    base["device"] = str(device)
-    base["device_budget"] = args.gpu_memory or base.get("device_budget")
-    base["host_budget"] = args.cpu_memory or base.get("host_budget")
-    auto = base["offload"] == "auto"
-    if auto:
-        base["offload"] = "cpu"  # a placeholder: the planner decides after the model is known
-    if auto or "nvme" in (base["offload"], base.get("offload_params")):
-        base["nvme_dir"] = args.offload_dir or base.get("nvme_dir") or os.path.join(args.output, "swap")
-    elif args.offload_dir:
-        fail(f"--offload-dir is only used with --offload nvme or --offload-params nvme (got "
-             f"offload={base['offload']})")
-    # the library's rules about which options go together, spelt as this runner's flags
-    options = SimpleNamespace(**{**OffloadConfig().to_dict(), **base})
-    why = combination_error(options, spell=lambda field: FLAGS.get(field, field))
-    if why is not None:
-        fail(why)
-    return OffloadConfig(**base)
 
 
 def load_model(args: argparse.Namespace):
