@@ -180,6 +180,9 @@ class Engine:
                     home = torch.zeros(self.zero.shards(block.numel).size, dtype=self.dtype,
                                        device=self.device if cfg.offload_params == "none" else "cpu")
                     home[:hi - lo].copy_(master[lo:hi])
+                    if cfg.offload_params == "nvme":  # its own swap file, in the rank's store
+                        self.store.write(TrainingStreamer.name(block), home).wait()
+                        home = None
                     stream_flats.append(home)
                 elif cfg.offload_params == "cpu":  # the streamer adopts it as the block's home
                     stream_flats.append(master.to(self.dtype))
@@ -206,7 +209,8 @@ class Engine:
         if self.layer_of:
             self.streaming = TrainingStreamer(
                 self.layers, self.blocks, sorted(self.layer_of, key=self.layer_of.get),
-                "cpu" if self.shards_weights else cfg.offload_params, device=self.device,
+                ("cpu" if self.shards_weights and cfg.offload_params == "none"
+                 else cfg.offload_params), device=self.device,
                 dtype=self.dtype, pin=self.pin, flats16=stream_flats, store=self.store,
                 account=self.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks,
                 shards=ShardGather(self.zero) if self.shards_weights else None,
@@ -242,10 +246,6 @@ class Engine:
             raise ConfigError("offload_params across data-parallel ranks streams each rank's "
                               "shard of the 16-bit weights: that is ZeRO stage 3; set "
                               "zero_stage=3 (--zero-stage 3), or offload_params='none'")
-        if cfg.offload_params == "nvme" and cfg.zero_stage == 3:
-            raise ConfigError("zero_stage 3 across ranks keeps each rank's shard of the 16-bit "
-                              "weights on the device or in host RAM (offload_params 'none' or "
-                              "'cpu'); shards in NVMe swap files are not built yet")
         if cfg.delayed_update:
             raise ConfigError("delayed_update across data-parallel ranks is not supported: the "
                               "delayed step would run beside the next backward's collectives; "

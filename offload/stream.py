@@ -106,7 +106,7 @@ class BlockStreamer:
                  progress: Callable[[int], None] | None = None,
                  host_flats: Sequence[torch.Tensor | None] | None = None,
                  expected_crc32: Callable[[int], int | None] | None = None,
-                 shards=None):
+                 shards=None, shard_files: Sequence[TensorRange | None] | None = None):
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         if len(residency) != len(layers):
@@ -123,11 +123,12 @@ class BlockStreamer:
             raise StreamError("zero_copy_host is only possible when the device is the CPU")
         self.fetch_delay_s = fetch_delay_s
         self.expected_crc32 = expected_crc32
-        # ZeRO stage 3 (offload/zero.py ShardGather): each cpu-tier block's home holds only this
-        # rank's shard; a fetch puts it in its part of the slot and all-gathers the rest from
-        # the other ranks, on the stage thread, so the gather of the next block overlaps the
-        # compute of this one
+        # ZeRO stage 3 (offload/zero.py ShardGather): each block's home holds only this rank's
+        # shard (a host buffer, or one swap file: `shard_files`, nvme tier); a fetch puts it in
+        # its part of the slot and all-gathers the rest from the other ranks, on the stage
+        # thread, so the gather of the next block overlaps the compute of this one
         self.shards = shards
+        self._shard_files = list(shard_files) if shard_files is not None else None
         self.pin = pin and self.cuda
         if self.pin:
             freeze_pin_cap()  # before the first pinned buffer: see offload/tiers.py
@@ -148,8 +149,8 @@ class BlockStreamer:
         self._host_values: dict[int, dict[str, torch.Tensor]] = {}  # module-sourced weights
         self._jobs: dict[int, tuple[Future, Slot]] = {}
         self._bound: dict[int, torch.Tensor] = {}  # block -> the slot view it is bound to
-        if shards is not None and any(r != "cpu" for r in residency):
-            raise StreamError("sharded blocks (ZeRO stage 3) stream from the cpu tier only")
+        if shards is not None and any(r == "device" for r in residency):
+            raise StreamError("sharded blocks (ZeRO stage 3) stream from the cpu or nvme tier")
         self._hooks: list = []
         self.schedule: list[int] = list(range(len(layers)))
         self.cyclic = True
@@ -173,10 +174,19 @@ class BlockStreamer:
         return self._io
 
     def _layout(self, i: int, layer: nn.Module) -> None:
-        """Block i's flat layout (offload/block_layout.py) and its starting state."""
-        out = layout_block(i, layer, self._files[i], residency=self.residency[i],
-                           adopted=self._adopt[i] is not None, device=self.device,
-                           dtype=self.dtype, empty=self._empty)
+        """Block i's flat layout (offload/block_layout.py) and its starting state. A sharded
+        block's layout is the module's (its source is this rank's shard, never the whole block's
+        parameters); on the nvme tier its one run is the shard's swap file."""
+        if self.shards is not None:
+            out = layout_block(i, layer, None, residency="cpu", adopted=True, device=self.device,
+                               dtype=self.dtype, empty=self._empty)
+            if self.residency[i] == "nvme":
+                f = self._shard_files[i]
+                out.stored_dtype, out.runs = f.dtype, [Run(f.path, f.offset, f.nbytes, 0)]
+        else:
+            out = layout_block(i, layer, self._files[i], residency=self.residency[i],
+                               adopted=self._adopt[i] is not None, device=self.device,
+                               dtype=self.dtype, empty=self._empty)
         if out.host_values is not None:
             self._host_values[i] = out.host_values
         self._stored_dtype.append(out.stored_dtype)
@@ -385,17 +395,32 @@ class BlockStreamer:
         if self.shards is not None:  # this rank's shard into its part, the rest from its peers
             whole = _aligned_view(slot.raw, 0 if self.cuda else self._shift[i],
                                   self._slot_block_bytes(i)).view(self.dtype)
+            part = self.shards.part(whole)
+            if tier == "nvme":  # the shard's swap file, into host staging on a GPU
+                src = (_aligned_view(staging.raw, 0, part.numel() * self.dtype.itemsize)
+                       if self.cuda else part.view(torch.uint8))
+                if self.cuda and staging.done_recorded:
+                    staging.done.synchronize()  # its previous copy to the device has left it
+                self._read_runs(i, src)
+                src = src.view(self.dtype)
+                moved["disk"] = part.numel() * self.dtype.itemsize
+            else:
+                src = self._host[i]
+                moved["h2d"] = part.numel() * self.dtype.itemsize
             if self.cuda:
                 with torch.cuda.device(self.device), on_stream(self.copy_stream):
                     if wait_free is not None:  # the slot's previous owner's kernels first
                         self.copy_stream.wait_event(wait_free)
-                    self.shards.part(whole).copy_(self._host[i], non_blocking=True)
+                    part.copy_(src, non_blocking=True)
+                    if staging is not None:
+                        staging.done.record(self.copy_stream)
+                        staging.done_recorded = True
                     self.shards.gather(whole)  # NCCL orders itself after the copy stream
                     slot.ready.record(self.copy_stream)
             else:
-                self.shards.part(whole).copy_(self._host[i])
+                if tier != "nvme":  # (an nvme shard was read straight into its part)
+                    part.copy_(src)
                 self.shards.gather(whole)
-            moved["h2d"] = self._host[i].numel() * self.dtype.itemsize
         elif self.cuda:
             with torch.cuda.device(self.device):
                 self._job_cuda(i, slot, staging, wait_free, dst, moved)

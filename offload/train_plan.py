@@ -140,7 +140,8 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     parts = [resident_weight_bytes([] if shared else resident, itemsize)]
     if streamed:
         parts.append(TrainingStreamer.plan_bytes(
-            streamed_sizes, "cpu" if stage3 else cfg.offload_params, itemsize, cuda=cuda,
+            streamed_sizes, "cpu" if stage3 and cfg.offload_params == "none" else cfg.offload_params,
+            itemsize, cuda=cuda,
             pin=pin, host_ahead=1, nvme_ahead=cfg.prefetch_blocks, world=world if stage3 else 1,
             home="device" if stage3 and cfg.offload_params == "none" else "host"))
     if cfg.offload == "nvme":

@@ -85,6 +85,10 @@ class TrainingStreamer:
         n = len(layers)
         host_flats: list[torch.Tensor | None] = [None] * n
         files: list[list[TensorRange] | None] | None = None
+        shard_files: list[TensorRange] | None = None
+        # stage 3: the elements of this rank's shard of each layer (padded: equal shards)
+        self.shard_numel = ([shards.padded(blocks[b].numel) // shards.world for b in layer_block]
+                            if shards is not None else None)
         if tier == "cpu":
             for li in range(n):
                 flat = flats16[li]
@@ -94,6 +98,10 @@ class TrainingStreamer:
                     flat = pinned
                 host_flats[li] = flat
                 account.add(home, "weights", flat.numel() * flat.element_size())
+        elif shards is not None:  # the engine wrote this rank's shard of each to a swap file
+            shard_files = [self._shard_range(blocks[layer_block[li]], dtype) for li in range(n)]
+            for f in shard_files:
+                account.add("nvme", "weights", f.nbytes)
         else:
             files = []  # the engine already wrote each block's weights to its swap file
             for li in range(n):
@@ -105,7 +113,7 @@ class TrainingStreamer:
                                       io=store.engine if store is not None else None, pin=pin,
                                       zero_copy_host=False, fetch_delay_s=fetch_delay_s,
                                       host_flats=host_flats, expected_crc32=self._expected_crc32,
-                                      shards=shards)
+                                      shards=shards, shard_files=shard_files)
         # the streamer may have replaced Parameter objects (meta / other dtype): the engine's
         # slots must name the ones the model now holds
         for li in range(n):
@@ -143,14 +151,14 @@ class TrainingStreamer:
         largest = max(padded) * itemsize
         depth = nvme_ahead if tier == "nvme" else host_ahead
         out = {("device", "weights"): (1 + depth) * BlockStreamer.slot_raw_bytes(largest, cuda)}
+        homes = [p // world * itemsize for p in padded]  # the whole block in one process
         if tier == "cpu":
-            homes = [p // world * itemsize for p in padded]
             if home == "device":
                 out["device", "weights"] += sum(homes)
             else:
                 out["host", "weights"] = sum(pin(b) for b in homes)
         else:
-            out["nvme", "weights"] = sum(layer_numels) * itemsize
+            out["nvme", "weights"] = sum(homes)
             if cuda:
                 out["host", "buffers"] = nvme_ahead * pin(largest + ALIGN)
         return out
@@ -168,6 +176,12 @@ class TrainingStreamer:
     @staticmethod
     def name(block: Block) -> str:
         return f"{block.name}.{WEIGHTS}"
+
+    def _shard_range(self, block: Block, dtype: torch.dtype) -> TensorRange:
+        """Where this rank's shard of a block's weights lies in its swap file (stage 3)."""
+        entry = self.store.info(self.name(block))
+        return TensorRange("shard", f"{self.store.dir}/{entry.file}", entry.offset, entry.nbytes,
+                           entry.dtype)
 
     def _ranges(self, layer: nn.Module, block: Block) -> list[TensorRange]:
         """The block's parameters as byte ranges of its swap file (flat, module order)."""
@@ -255,7 +269,13 @@ class TrainingStreamer:
         return self.streamer.host_buffer(li) if self.tier == "cpu" else None
 
     def write_weights(self, li: int, flat16: torch.Tensor):
-        """nvme tier: write-behind of the new weights; returns the store handle."""
+        """nvme tier: write-behind of the new weights (stage 3: this rank's shard, whose padded
+        tail is never a parameter); returns the store handle."""
+        if self.shard_numel is not None:
+            n = self.shard_numel[li]
+            if flat16.numel() < n:  # a block smaller than its padded shard (a few elements)
+                flat16 = torch.cat([flat16, flat16.new_zeros(n - flat16.numel())])
+            flat16 = flat16[:n]
         return self.store.write(self.name(self.blocks[self.layer_block[li]]), flat16)
 
     def load_weights(self, li: int, flat16: torch.Tensor) -> None:
@@ -263,7 +283,7 @@ class TrainingStreamer:
         if self.tier == "cpu":
             self.streamer.host_buffer(li)[:flat16.numel()].copy_(flat16)
         else:
-            self.write_weights(li, flat16).wait()
+            self.write_weights(li, flat16).wait()  # stage 3: padded to the shard's length
 
     def close(self) -> None:
         for h in self._hooks:

@@ -17,7 +17,8 @@ tensor, with equal parts, as NCCL and gloo want them.
            (offload/zero_grads.py): the gradients take 1/N of the memory, and with gradient
            accumulation the reduction runs once per micro-batch instead of once per update.
   stage 3  as stage 2, and each layer's 16-bit weights live as this rank's shard only (on the
-           device, or in host RAM with offload_params="cpu"): the block streamer gathers a
+           device, in host RAM with offload_params="cpu", or in one swap file per layer with
+           offload_params="nvme"): the block streamer gathers a
            layer from every rank's shard just before it runs, in forward and again in
            backward, and drops it after (ShardGather); the step writes the rank's new shard
            in place. The non-layer block (embeddings, final norm, head) stays whole on every

@@ -147,15 +147,16 @@ def check_state_bytes(memory: list[dict], stage: int, offload: str, phi: int, wo
         grads = rank_mem[grads_tier]["grads"]
         want = 4 * phi / (world if stage >= 2 else 1)
         assert abs(grads - want) <= 0.05 * want, (stage, offload, grads, want)
-        if stage == 3 and offload_params == "cpu":  # layers' homes in host RAM
+        if stage == 3 and offload_params != "none":  # layers' homes in host RAM or swap files
             layers, _ = block_sizes(masters)
             want = 4 * sum(layers) / world
-            got = rank_mem["host"]["weights"]
-            assert abs(got - want) <= 0.05 * want, (offload, got, want)
+            got = rank_mem["host" if offload_params == "cpu" else "nvme"]["weights"]
+            assert abs(got - want) <= 0.05 * want, (offload, offload_params, got, want)
 
 
 CONFIGS = ([(stage, offload, "none") for stage in (0, 1, 2) for offload in ("none", "cpu", "nvme")]
-           + [(3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "cpu")])
+           + [(3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"),
+              (3, "nvme", "nvme")])
 
 
 # the whole matrix on 2 ranks of the tiny Llama; on 3 ranks and on the transformers model, a
@@ -163,19 +164,48 @@ CONFIGS = ([(stage, offload, "none") for stage in (0, 1, 2) for offload in ("non
 FEW = [(0, "none", "none"), (1, "nvme", "none"), (2, "cpu", "none"), (3, "cpu", "cpu")]
 
 
+def fp32_configs(configs, swap: str) -> list[dict]:
+    return [dict(OPT, dtype="fp32", device="cpu", exact_optimizer=True, grad_clip=CLIP,
+                 grad_accum_steps=ACCUM, offload=offload, zero_stage=stage, offload_params=params,
+                 nvme_dir=swap if "nvme" in (offload, params) else None)
+            for stage, offload, params in configs]
+
+
+MIXED_OPT, MIXED_UPDATES = dict(OPT, lr=1e-3), 8
+
+
+def mixed_configs() -> list[dict]:
+    """bf16 at stages 0, 2, 3; fp16 at stage 2 with an inf loss on rank 1 at update 2."""
+    common = dict(MIXED_OPT, device="cpu", offload="cpu", grad_clip=CLIP, grad_accum_steps=1,
+                  updates=MIXED_UPDATES)
+    return ([dict(common, dtype="bf16", zero_stage=s, offload_params="cpu" if s == 3 else "none")
+             for s in (0, 2, 3)] + [dict(common, dtype="fp16", zero_stage=2, poison=[1, 2])])
+
+
+@pytest.fixture(scope="module")
+def two_ranks_tiny(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    """One launch of 2 ranks for the whole fp32 matrix and the mixed-precision runs (each
+    launch costs every rank a torch import): (fp32 results, mixed results)."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    configs = fp32_configs(CONFIGS, str(tmp / "swap")) + mixed_configs()
+    results = launch_ranks(dict(model="tiny", updates=UPDATES, rows=ROWS, seq=SEQ,
+                                configs=configs), 2, tmp)
+    return results[:len(CONFIGS)], results[len(CONFIGS):]
+
+
 @pytest.mark.parametrize("world,kind,configs", [(2, "tiny", CONFIGS), (3, "tiny", FEW),
                                                 (2, "hf", FEW)], ids=["2-tiny", "3-tiny", "2-hf"])
-def test_ranks_match_one_process_adamw(world, kind, configs, tmp_path):
+def test_ranks_match_one_process_adamw(world, kind, configs, tmp_path, request):
     """Every stage x optimizer-state tier, clipping and accumulation, 2 and 3 ranks: masters and
     losses after 10 updates equal AdamW over the global batch in one process within 1e-5."""
     if kind == "hf":
         pytest.importorskip("transformers")
-    kws = [dict(OPT, dtype="fp32", device="cpu", exact_optimizer=True, grad_clip=CLIP,
-                grad_accum_steps=ACCUM, offload=offload, zero_stage=stage, offload_params=params,
-                nvme_dir=str(tmp_path / "swap") if offload == "nvme" else None)
-           for stage, offload, params in configs]
-    spec = dict(model=kind, updates=UPDATES, rows=ROWS, seq=SEQ, configs=kws)
-    results = launch_ranks(spec, world, tmp_path)
+    if world == 2 and kind == "tiny":
+        results = request.getfixturevalue("two_ranks_tiny")[0]
+    else:
+        spec = dict(model=kind, updates=UPDATES, rows=ROWS, seq=SEQ,
+                    configs=fp32_configs(configs, str(tmp_path / "swap")))
+        results = launch_ranks(spec, world, tmp_path)
     ref, ref_losses, phi = reference(kind)
     worst = 0.0
     for (stage, offload, params), res in zip(configs, results):
@@ -208,25 +238,18 @@ def test_four_ranks_memory_and_bytes_follow_the_formulas(tmp_path):
         assert rel_diff(res["masters"], results[0]["masters"]) <= TOLERANCE
 
 
-def test_mixed_precision_across_ranks(tmp_path):
+def test_mixed_precision_across_ranks(two_ranks_tiny):
     """bf16: 2 ranks of 3 rows follow one process's 2 micro-batches of 3 rows, at every stage:
     the loss curves agree within a tenth of how far the updates move the loss (gradients are
     summed over ranks in bf16, over micro-batches in fp32: the rest is rounding). fp16: an inf
     loss on rank 1 only makes every rank skip that update and halve the loss scale together."""
     import offload
-    opt, updates = dict(OPT, lr=1e-3), 8
-    bf16 = [dict(opt, dtype="bf16", device="cpu", offload="cpu", grad_clip=CLIP,
-                 grad_accum_steps=1, zero_stage=s, offload_params="cpu" if s == 3 else "none")
-            for s in (0, 2, 3)]
-    fp16 = dict(opt, dtype="fp16", device="cpu", offload="cpu", grad_clip=CLIP,
-                grad_accum_steps=1, zero_stage=2, poison=[1, 2])
-    results = launch_ranks(dict(model="tiny", updates=updates, rows=ROWS, seq=SEQ,
-                                configs=bf16 + [fp16]), 2, tmp_path)
+    results = two_ranks_tiny[1]
     model = make_model("tiny")
-    engine = offload.initialize(model, dict(opt, dtype="bf16", device="cpu", offload="cpu",
-                                            grad_clip=CLIP, grad_accum_steps=2))
+    engine = offload.initialize(model, dict(MIXED_OPT, dtype="bf16", device="cpu",
+                                            offload="cpu", grad_clip=CLIP, grad_accum_steps=2))
     means = []
-    for ids in batches(vocab_of(model), updates, ROWS, SEQ):
+    for ids in batches(vocab_of(model), MIXED_UPDATES, ROWS, SEQ):
         total = 0.0
         for half in ids.chunk(2):
             loss = lm_loss(model, half)
@@ -240,7 +263,7 @@ def test_mixed_precision_across_ranks(tmp_path):
         worst = max(abs(a - b) for a, b in zip(res["losses"], means))
         assert worst <= 0.1 * moved, (worst, moved)
     poisoned = results[3]
-    assert poisoned["skipped"] == 1 and poisoned["global_step"] == updates - 1
+    assert poisoned["skipped"] == 1 and poisoned["global_step"] == MIXED_UPDATES - 1
     assert poisoned["loss_scale"] == 2.0 ** 15  # halved once from 2**16, on every rank
 
 
@@ -281,18 +304,18 @@ def test_saved_shards_resume_exactly_and_on_other_world_sizes(tmp_path):
     ref = launch_ranks(spec, 2, tmp_path / "a")[0]
     assert sorted(os.listdir(saved))[:2] == ["block-00000.rank-00000.safetensors",
                                              "block-00000.rank-00001.safetensors"]
-    spec = dict(spec, updates=UPDATES - half, configs=[rest])
-    again = launch_ranks(spec, 2, tmp_path / "b")[0]
+    # the same ranks, and stage 3: each rank loads its shard of the layers' weights into their
+    # home (here swap files)
+    sharded = _fp32(tmp_path, offload="cpu", zero_stage=3, offload_params="nvme",
+                    nvme_dir=str(tmp_path / "swap3"), load=saved, skip=half)
+    spec = dict(spec, updates=UPDATES - half, configs=[rest, sharded])
+    again, stage3 = launch_ranks(spec, 2, tmp_path / "b")
     assert all(torch.equal(again["masters"][k], ref["masters"][k]) for k in ref["masters"])
+    assert rel_diff(stage3["masters"], ref["masters"]) <= TOLERANCE
     other = _fp32(tmp_path, offload="nvme", zero_stage=1, nvme_dir=str(tmp_path / "swap"),
                   load=saved, skip=half)
     three = launch_ranks(dict(spec, configs=[other]), 3, tmp_path / "c")[0]
     assert rel_diff(three["masters"], ref["masters"]) <= TOLERANCE
-    # stage 3: each rank loads its shard of the layers' weights into their home
-    sharded = _fp32(tmp_path, offload="cpu", zero_stage=3, offload_params="cpu", load=saved,
-                    skip=half)
-    stage3 = launch_ranks(dict(spec, configs=[sharded]), 2, tmp_path / "d")[0]
-    assert rel_diff(stage3["masters"], ref["masters"]) <= TOLERANCE
     # one process: the same files, the whole of every block
     model = make_model("tiny")
     engine = offload.initialize(model, {k: v for k, v in rest.items() if k not in ("load", "skip")})

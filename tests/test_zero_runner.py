@@ -55,13 +55,23 @@ def check_ok(run: subprocess.CompletedProcess) -> None:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
 
 
-def test_two_ranks_stop_resume_exact_and_match_one_process(tmp_path):
-    whole, parts, single = (str(tmp_path / n) for n in ("whole", "parts", "single"))
-    zero = ["--zero-stage", "2", "--offload", "nvme"]
-    run = torchrun([*FLAGS, *zero, "--output", whole])
+ZERO = ["--zero-stage", "2", "--offload", "nvme"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> str:
+    """An uninterrupted 2-rank run (the reference of the tests below)."""
+    out = str(tmp_path_factory.mktemp("whole") / "run")
+    run = torchrun([*FLAGS, *ZERO, "--output", out])
     check_ok(run)
     assert "ranks     2 data-parallel ranks, ZeRO stage 2" in run.stdout
     assert "reduce-scatter (grads, sent)" in run.stdout
+    return out
+
+
+def test_two_ranks_stop_resume_exact_and_match_one_process(whole, tmp_path):
+    parts, single = (str(tmp_path / n) for n in ("parts", "single"))
+    zero = ZERO
     check_ok(torchrun([*FLAGS, *zero, "--output", parts, "--stop-after", "3"]))
     ckpt = os.path.join(parts, "checkpoint", "engine")
     assert any(".rank-00001." in n for n in os.listdir(ckpt))  # each rank saved its shards
@@ -77,22 +87,21 @@ def test_two_ranks_stop_resume_exact_and_match_one_process(tmp_path):
     assert worst <= 1e-5, worst
 
 
-def test_two_nodes_rendezvous_on_localhost(tmp_path):
+def test_two_nodes_rendezvous_on_localhost(whole, tmp_path):
     """`torchrun --nnodes 2 --nproc_per_node 1`, two launches on this machine, trains the same
     model as one launch of two ranks."""
     port = free_port()
-    outs = {n: str(tmp_path / n) for n in ("nodes", "single_node")}
+    nodes = str(tmp_path / "nodes")
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
              "1", "--node_rank", str(r), "--master_addr", "127.0.0.1", "--master_port", str(port),
-             "-m", "runners.finetune", *FLAGS, "--zero-stage", "1", "--output", outs["nodes"]]
+             "-m", "runners.finetune", *FLAGS, *ZERO, "--output", nodes]
             for r in (0, 1)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for c in cmds]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs[0][-2000:] + logs[1][-2000:]
-    check_ok(torchrun([*FLAGS, "--zero-stage", "1", "--output", outs["single_node"]]))
-    a, b = model_tensors(outs["nodes"]), model_tensors(outs["single_node"])
+    a, b = model_tensors(nodes), model_tensors(whole)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
