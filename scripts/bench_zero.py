@@ -112,10 +112,14 @@ def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     engine = offload.initialize(model, cfg)
     waits: list[float] = []
 
+    losses: list[float] = []
+
     def step() -> None:
-        engine.backward(lm_loss(model, ids))
+        loss = lm_loss(model, ids)
+        engine.backward(loss)
         engine.step()
         waits.append(engine.last_report.comm_wait_s)
+        losses.append(loss.item())
 
     try:
         step_s = timed(step, args.warmup, args.steps)
@@ -128,6 +132,7 @@ def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     # autograd's own and counted only between backward and the step, so not at the end
     kind_sum = lambda *kinds: sum(v for (_, k), v in peaks.items() if k in kinds)  # noqa: E731
     return {"step_s": step_s, "comm_wait_s": statistics.median(waits[args.warmup:]), "sent": sent,
+            "loss": losses[-1], "loss0": losses[0],
             "tiers": tiers, "weights": kind_sum("weights"), "grads": kind_sum("grads"),
             "state": kind_sum("masters", "moments"), "masters": kind_sum("masters")}
 
@@ -158,8 +163,12 @@ def run_torch(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     held: dict[str, int] = {}
 
+    losses: list[float] = []
+
     def step() -> None:
-        lm_loss(model, ids).backward()
+        loss = lm_loss(model, ids)
+        loss.backward()
+        losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(params, args.clip)
         opt.step()
         held["grads"] = sum(local_bytes(p.grad) for p in params)  # the most held: before zeroing
@@ -169,6 +178,7 @@ def run_torch(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     state = sum(local_bytes(v) for s in opt.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
     return {"step_s": step_s, "comm_wait_s": None, "sent": {}, "tiers": {}, "note": note,
+            "loss": losses[-1], "loss0": losses[0],
             "weights": sum(local_bytes(p) for p in params), "grads": held["grads"],
             "state": state, "masters": 0}
 
@@ -268,7 +278,7 @@ def mib(x: float | None) -> str:
     return "-" if x is None else f"{x / MIB:.1f}"
 
 
-HEAD = (f"{'row':<18} {'N':>2} {'step s':>7} {'vs s0':>6} {'comm s':>7}   "
+HEAD = (f"{'row':<18} {'N':>2} {'loss':>10} {'-loss0':>9} {'step s':>7} {'vs s0':>6} {'comm s':>7}   "
         f"{'weights':>13} {'grads':>13} {'state':>13}   {'sent/update':>15}  "
         f"{'rss':>6} {'+rss':>6}  step s min-max")
 
@@ -285,7 +295,11 @@ def print_row(row: Row, res: list[dict], phi: int, base: float | None) -> float:
     sent_s = f"{mib(sent)}/{mib(f['sent'])}" if row.kind == "offload" and row.world > 1 else "-"
     base = base or (step if row.name == BASE_ROW else None)
     ratio = f"{step / base:6.2f}" if base else "     -"
-    print(f"{row.name:<18} {row.world:>2} {step:7.3f} {ratio} "
+    # the last update's loss, the mean over ranks (each rank's is its rows' mean): every row
+    # runs the same updates on the same batch, so the numbers must agree to rounding
+    loss = statistics.fmean(r["loss"] for r in res)
+    moved = loss - statistics.fmean(r["loss0"] for r in res)  # what the updates did
+    print(f"{row.name:<18} {row.world:>2} {loss:10.7f} {moved:9.6f} {step:7.3f} {ratio} "
           f"{(f'{max(wait):7.3f}' if wait else '      -')}   {pair('weights'):>13} "
           f"{pair('grads'):>13} {pair('state'):>13}   {sent_s:>15}  "
           f"{mib(max(r['rss'] for r in res)):>6} {mib(max(r['rss_growth'] for r in res)):>6}"
