@@ -10,6 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 import chaos  # noqa: E402
+import chaos_damage  # noqa: E402
 
 EXTRA = ["--batch-size", "8", "--seq-len", "16", "--eval-every", "0", "--warmup-steps", "2"]
 
@@ -48,7 +49,7 @@ def test_killed_and_resumed_run_is_identical_to_the_uninterrupted_one(tmp_path):
 
 def test_damaged_swap_files_never_give_a_different_model(tmp_path):
     """chaos.py --damage, short: each run stops with a swap error or ends identical."""
-    rows, problems = chaos.run_damage_campaign(str(tmp_path), runs=3, steps=10, save_every=2, seed=0,
+    rows, problems = chaos_damage.run_damage_campaign(str(tmp_path), runs=3, steps=10, save_every=2, seed=0,
                                                extra=EXTRA, rng_seed=0, echo=lambda *a: None)
     assert problems == [], problems
     assert len(rows) == 3 and all(r["rc"] != 0 or r["outcome"].startswith("finished, identical")
@@ -58,5 +59,5 @@ def test_damaged_swap_files_never_give_a_different_model(tmp_path):
     path.write_bytes((16).to_bytes(8, "little") + b"{}" + b" " * 14 + bytes(64))
     before = path.read_bytes()
     import random
-    assert "NaN" in chaos.damage_file(str(path), "nan", random.Random(0))
+    assert "NaN" in chaos_damage.damage_file(str(path), "nan", random.Random(0))
     assert path.read_bytes() != before
