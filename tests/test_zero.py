@@ -5,6 +5,7 @@ collective and per tier are the ZeRO paper's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -182,15 +183,43 @@ def mixed_configs() -> list[dict]:
              for s in (0, 2, 3)] + [dict(common, dtype="fp16", zero_stage=2, poison=[1, 2])])
 
 
+HALF = UPDATES // 2
+
+
+def saving_config(saved: str) -> dict:
+    """Stage 2 on the tiny Llama, its state saved after half the updates (the resume test's)."""
+    return dict(fp32_configs([(2, "cpu", "none")], "")[0], save=saved, save_after=HALF)
+
+
 @pytest.fixture(scope="module")
-def two_ranks_tiny(tmp_path_factory) -> tuple[list[dict], list[dict]]:
-    """One launch of 2 ranks for the whole fp32 matrix and the mixed-precision runs (each
-    launch costs every rank a torch import): (fp32 results, mixed results)."""
+def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """One launch of 2 ranks for everything the tests below run on 2 ranks from scratch (each
+    launch costs every rank a torch import): the fp32 matrix on the tiny Llama, a cross-section
+    on the transformers model, the mixed-precision runs, and a run that saves its state."""
     tmp = tmp_path_factory.mktemp("two_ranks")
-    configs = fp32_configs(CONFIGS, str(tmp / "swap")) + mixed_configs()
-    results = launch_ranks(dict(model="tiny", updates=UPDATES, rows=ROWS, seq=SEQ,
-                                configs=configs), 2, tmp)
-    return results[:len(CONFIGS)], results[len(CONFIGS):]
+    groups = {"tiny": fp32_configs(CONFIGS, str(tmp / "swap")), "mixed": mixed_configs(),
+              "saving": [saving_config(str(tmp / "state"))]}
+    if importlib.util.find_spec("transformers") is not None:
+        groups["hf"] = [dict(c, model="hf") for c in fp32_configs(FEW, str(tmp / "swap_hf"))]
+    configs = [c for g in groups.values() for c in g]
+    results = iter(launch_ranks(dict(model="tiny", updates=UPDATES, rows=ROWS, seq=SEQ,
+                                     configs=configs), 2, tmp))
+    out = {name: [next(results) for _ in g] for name, g in groups.items()}
+    out["state"] = str(tmp / "state")
+    return out
+
+
+@pytest.fixture(scope="module")
+def three_ranks(two_ranks, tmp_path_factory) -> dict[str, list[dict]]:
+    """One launch of 3 ranks: the cross-section from scratch, and the 2-rank saved state
+    resumed at stage 1 with the optimizer state on NVMe."""
+    tmp = tmp_path_factory.mktemp("three_ranks")
+    resume = dict(fp32_configs([(1, "nvme", "none")], str(tmp / "swap_resume"))[0],
+                  load=two_ranks["state"], skip=HALF, updates=UPDATES - HALF)
+    groups = {"tiny": fp32_configs(FEW, str(tmp / "swap")), "resume": [resume]}
+    results = iter(launch_ranks(dict(model="tiny", updates=UPDATES, rows=ROWS, seq=SEQ,
+                                     configs=[c for g in groups.values() for c in g]), 3, tmp))
+    return {name: [next(results) for _ in g] for name, g in groups.items()}
 
 
 @pytest.mark.parametrize("world,kind,configs", [(2, "tiny", CONFIGS), (3, "tiny", FEW),
@@ -200,12 +229,7 @@ def test_ranks_match_one_process_adamw(world, kind, configs, tmp_path, request):
     losses after 10 updates equal AdamW over the global batch in one process within 1e-5."""
     if kind == "hf":
         pytest.importorskip("transformers")
-    if world == 2 and kind == "tiny":
-        results = request.getfixturevalue("two_ranks_tiny")[0]
-    else:
-        spec = dict(model=kind, updates=UPDATES, rows=ROWS, seq=SEQ,
-                    configs=fp32_configs(configs, str(tmp_path / "swap")))
-        results = launch_ranks(spec, world, tmp_path)
+    results = request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[world])[kind]
     ref, ref_losses, phi = reference(kind)
     worst = 0.0
     for (stage, offload, params), res in zip(configs, results):
@@ -238,13 +262,13 @@ def test_four_ranks_memory_and_bytes_follow_the_formulas(tmp_path):
         assert rel_diff(res["masters"], results[0]["masters"]) <= TOLERANCE
 
 
-def test_mixed_precision_across_ranks(two_ranks_tiny):
+def test_mixed_precision_across_ranks(two_ranks):
     """bf16: 2 ranks of 3 rows follow one process's 2 micro-batches of 3 rows, at every stage:
     the loss curves agree within a tenth of how far the updates move the loss (gradients are
     summed over ranks in bf16, over micro-batches in fp32: the rest is rounding). fp16: an inf
     loss on rank 1 only makes every rank skip that update and halve the loss scale together."""
     import offload
-    results = two_ranks_tiny[1]
+    results = two_ranks["mixed"]
     model = make_model("tiny")
     engine = offload.initialize(model, dict(MIXED_OPT, dtype="bf16", device="cpu",
                                             offload="cpu", grad_clip=CLIP, grad_accum_steps=2))
@@ -291,17 +315,15 @@ def _fp32(tmp_path, **kw) -> dict:
                 grad_accum_steps=ACCUM, **kw)
 
 
-def test_saved_shards_resume_exactly_and_on_other_world_sizes(tmp_path):
+def test_saved_shards_resume_exactly_and_on_other_world_sizes(two_ranks, three_ranks, tmp_path):
     """Each rank saves its shards; resuming on the same ranks continues bit for bit, and the
     same files resume on 3 ranks at another stage and tier, and in one process (resharded as
     they are read: no conversion step)."""
     import offload
-    saved = str(tmp_path / "state")
-    half = UPDATES // 2
-    whole = _fp32(tmp_path, offload="cpu", zero_stage=2, save=saved, save_after=half)
+    saved, half = two_ranks["state"], HALF
+    ref = two_ranks["saving"][0]
     rest = _fp32(tmp_path, offload="cpu", zero_stage=2, load=saved, skip=half)
-    spec = dict(model="tiny", updates=UPDATES, rows=ROWS, seq=SEQ, configs=[whole])
-    ref = launch_ranks(spec, 2, tmp_path / "a")[0]
+    spec = dict(model="tiny", updates=UPDATES, rows=ROWS, seq=SEQ)
     assert sorted(os.listdir(saved))[:2] == ["block-00000.rank-00000.safetensors",
                                              "block-00000.rank-00001.safetensors"]
     # the same ranks, and stage 3: each rank loads its shard of the layers' weights into their
@@ -312,10 +334,7 @@ def test_saved_shards_resume_exactly_and_on_other_world_sizes(tmp_path):
     again, stage3 = launch_ranks(spec, 2, tmp_path / "b")
     assert all(torch.equal(again["masters"][k], ref["masters"][k]) for k in ref["masters"])
     assert rel_diff(stage3["masters"], ref["masters"]) <= TOLERANCE
-    other = _fp32(tmp_path, offload="nvme", zero_stage=1, nvme_dir=str(tmp_path / "swap"),
-                  load=saved, skip=half)
-    three = launch_ranks(dict(spec, configs=[other]), 3, tmp_path / "c")[0]
-    assert rel_diff(three["masters"], ref["masters"]) <= TOLERANCE
+    assert rel_diff(three_ranks["resume"][0]["masters"], ref["masters"]) <= TOLERANCE
     # one process: the same files, the whole of every block
     model = make_model("tiny")
     engine = offload.initialize(model, {k: v for k, v in rest.items() if k not in ("load", "skip")})

@@ -52,14 +52,15 @@ def vocab_of(model) -> int:
 def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     """`cfg_kw` may carry, beside OffloadConfig's fields: "load" (a saved state to resume
     from), "skip" (updates already done: their micro-batches are skipped), "save" and
-    "save_after" (save the state there after that many updates of this run), "poison" and
-    "updates" (this configuration's own number of updates)."""
+    "save_after" (save the state there after that many updates of this run), "poison",
+    "updates" and "model" (this configuration's own number of updates and model)."""
     cfg_kw = dict(cfg_kw)
     load, skip = cfg_kw.pop("load", None), cfg_kw.pop("skip", 0)
     save, save_after = cfg_kw.pop("save", None), cfg_kw.pop("save_after", None)
     poison = cfg_kw.pop("poison", None)  # [rank, micro-batch]: that rank's loss becomes inf
     updates = cfg_kw.pop("updates", spec["updates"])  # this configuration's own count
-    model = make_model(spec["model"])
+    kind = cfg_kw.pop("model", spec["model"])  # and its own model
+    model = make_model(kind)
     if rank != 0:  # the engine must start every rank from rank 0's weights
         with torch.no_grad():
             for p in model.parameters():
