@@ -127,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     # under torchrun each rank takes the GPU of its local rank
     device = select_device(ranks.local if ranks.many and args.gpu is not None else args.gpu)
     ranks.connect(device)
+    if args.zero_stage and not ranks.many:  # never silently: the flag needs several ranks
+        print(f"note: --zero-stage {args.zero_stage} has no effect in one process; launch with "
+              f"torchrun --nproc_per_node N to train on N data-parallel ranks", file=sys.stderr)
     cfg = engine_config(args, device, ranks.world)
     model, model_cfg, source, tokenizer = load_model(args)
     micro = args.micro_batch_size or args.batch_size // ranks.world

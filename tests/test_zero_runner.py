@@ -136,3 +136,9 @@ def test_killed_rank_ends_the_job_with_one_line(tmp_path):
     assert len(lines) == 1 and "peer rank stopped answering" in lines[0], err[-2000:]
     assert f"--resume {out}" in lines[0]
     procs[1].wait()
+
+
+def test_zero_stage_in_one_process_says_it_does_nothing(tmp_path, capsys):
+    from runners.finetune import main
+    assert main(["--zero-stage", "2", "--dry-run", "--output", str(tmp_path / "run")]) == 0
+    assert "--zero-stage 2 has no effect in one process" in capsys.readouterr().err
