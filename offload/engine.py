@@ -163,7 +163,7 @@ class Engine:
         # fp32 on the CPU: resident parameters are views of their masters (the stepper then
         # neither copies nor uploads the updated weights)
         self.shares_masters = cfg.weights_share_masters(self.device, self.world)
-        # stages 1-2: device weights padded to equal shards, all-gathered in place after a step
+        # stages 1-3: resident device weights padded to equal shards, all-gathered in place after a step
         self.flat16_padded: list[torch.Tensor | None] = []
         fill = getattr(source, "read_tensors_into", source)
         trainable = set()

@@ -1,7 +1,7 @@
 """Saving and restoring the engine's training state: masters, Adam moments and counters.
 
 One safetensors file per block (written atomically), then `engine_state.json` last, so a
-directory whose json exists is complete. Across data-parallel ranks at ZeRO stages 1-2 each rank
+directory whose json exists is complete. Across data-parallel ranks at ZeRO stages 1-3 each rank
 writes its shard of each block (`block-B.rank-R.safetensors`, its [lo, hi) in the json's
 "shards"), and rank 0 writes the json once every rank's files are written. A load reads, for
 each block, the pieces that overlap the range this process owns now -- so a state saved by N
@@ -220,7 +220,7 @@ def _check_meta(engine: "Engine", meta: dict, meta_path: str, directory: str
 def _pieces(engine: "Engine", meta: dict, meta_path: str,
             directory: str) -> list[list[tuple[str, int, int]]]:
     """Per block, the files its state was saved in and the [lo, hi) each holds: one whole-block
-    file (one process, or stage 0), or one per rank (stages 1-2), checked to tile the block."""
+    file (one process, or stage 0), or one per rank (stages 1-3), checked to tile the block."""
     shards = meta.get("shards")
     if shards is None:
         return [[(os.path.join(directory, f"block-{bi:05d}.safetensors"), 0, b.numel)]

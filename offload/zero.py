@@ -148,6 +148,12 @@ class ZeroGroup:
         self.stage = stage
         self.device = device
         self.group = group
+        # NCCL reduces device tensors only; gradients that land in host memory (offload cpu /
+        # nvme on a GPU) are reduced by a gloo group over the same ranks instead. Reducing on
+        # the device before they leave it (DeepSpeed's order) is the faster design, not built.
+        self.host_group = (dist.new_group(ranks=list(range(dist.get_world_size(group))),
+                                          backend="gloo")
+                           if dist.get_backend(group) == "nccl" else None)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.comm = CommCounter()
@@ -191,7 +197,7 @@ class ZeroGroup:
         """Start summing `whole` (a padded block buffer) over ranks into `out` (this rank's
         [S] part); returns the work to wait() for (stage 2's landing, offload/zero_grads.py)."""
         self.comm.add("reduce_scatter", whole.numel(), whole.element_size(), self.world)
-        return _reduce_scatter(out, whole, group=self.group, async_op=True)
+        return _reduce_scatter(out, whole, group=self.group_for(whole), async_op=True)
 
     def wait(self, work) -> None:
         t0 = time.perf_counter()
@@ -244,6 +250,11 @@ class ZeroGroup:
         full = torch.empty(sh.padded, dtype=shard.dtype, device=self.device)
         _all_gather(full, mine, group=self.group)
         return full[:numel].to(shard.device)
+
+    def group_for(self, t: torch.Tensor):
+        """The process group that can reduce `t` where it lies (see host_group)."""
+        return self.host_group if t.device.type == "cpu" and self.host_group is not None \
+            else self.group
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any (a failure every rank must act on)."""
@@ -301,11 +312,12 @@ class BlockReducer:
         assert buf.numel() == sh.padded, (buf.numel(), sh.padded)
         if z.stage == 0:
             z.comm.add("all_reduce", sh.padded, buf.element_size(), z.world)
-            self.works.append((bi, None, dist.all_reduce(buf, group=z.group, async_op=True)))
+            self.works.append((bi, None, dist.all_reduce(buf, group=z.group_for(buf),
+                                                         async_op=True)))
         else:
             out = torch.empty(sh.size, dtype=buf.dtype, device=buf.device)
             z.comm.add("reduce_scatter", sh.padded, buf.element_size(), z.world)
-            self.works.append((bi, out, _reduce_scatter(out, buf, group=z.group,
+            self.works.append((bi, out, _reduce_scatter(out, buf, group=z.group_for(buf),
                                                                    async_op=True)))
 
     def finish(self) -> float:
