@@ -80,6 +80,7 @@ class Engine:
         self.zero = self._make_zero()
         self.world = self.zero.world if self.zero is not None else 1
         self.param_names = [s.name for b in self.blocks for s in b.slots]
+        self._block_of = {s.name: bi for bi, b in enumerate(self.blocks) for s in b.slots}
         # the order clip_grad_norm_ would see the parameters in: model.parameters() order
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         self._norm_order = sorted(self.param_names, key=order.__getitem__)
@@ -428,8 +429,7 @@ class Engine:
         self._next_missing = self.grads.missing()
         if self.zero is not None:  # average the gradients across ranks before anything reads them
             self._next_missing = self.zero.agree_missing(
-                self.param_names, self._next_missing,
-                {s.name: bi for bi, b in enumerate(self.blocks) for s in b.slots})
+                self.param_names, self._next_missing, self._block_of)
             if self.reducer is not None:  # stage 2 reduced each block during backward
                 rep.comm_wait_s += self.reducer.finish()
         applied = self.path.step(rep)

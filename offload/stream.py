@@ -381,9 +381,10 @@ class BlockStreamer:
         self._jobs[i] = (fut, slot)
         self._move(i, BlockState.IN_FLIGHT)
 
-    def _slot_view(self, i: int, slot: Slot) -> torch.Tensor:
+    def _slot_view(self, i: int, slot: Slot, nbytes: int | None = None) -> torch.Tensor:
+        """Block i's view of `slot` (`nbytes`: a longer one, the padded block of stage 3)."""
         shift = 0 if self.cuda else self._shift[i]
-        return _aligned_view(slot.raw, shift, self.block_bytes(i)).view(self.dtype)
+        return _aligned_view(slot.raw, shift, nbytes or self.block_bytes(i)).view(self.dtype)
 
     def _job(self, i: int, slot: Slot, staging: Staging | None, wait_free) -> None:
         """Stage thread: move block i's bytes into its slot (see the module docstring for order)."""
@@ -393,8 +394,7 @@ class BlockStreamer:
         dst = self._slot_view(i, slot)
         tier, moved = self.residency[i], {}
         if self.shards is not None:  # this rank's shard into its part, the rest from its peers
-            whole = _aligned_view(slot.raw, 0 if self.cuda else self._shift[i],
-                                  self._slot_block_bytes(i)).view(self.dtype)
+            whole = self._slot_view(i, slot, self._slot_block_bytes(i))
             part = self.shards.part(whole)
             if tier == "nvme":  # the shard's swap file, into host staging on a GPU
                 src = (_aligned_view(staging.raw, 0, part.numel() * self.dtype.itemsize)

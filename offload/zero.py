@@ -113,6 +113,14 @@ def env_world() -> tuple[int, int, int]:
     return read("RANK", 0), read("WORLD_SIZE", 1), read("LOCAL_RANK", 0)
 
 
+def any_rank(flag: bool, device: torch.device, group=None) -> bool:
+    """True on every rank of `group` when `flag` is True on any: one MAX all-reduce, on
+    `device` (NCCL reduces device tensors only)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def rank_dir(directory: str, rank: int) -> str:
     """Rank `rank`'s own subdirectory of a swap directory shared by the job's ranks."""
     return os.path.join(directory, f"rank{rank:05d}")
@@ -258,9 +266,7 @@ class ZeroGroup:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any (a failure every rank must act on)."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return any_rank(flag, self.device, self.group)
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -316,9 +322,7 @@ class BlockReducer:
                                                          async_op=True)))
         else:
             out = torch.empty(sh.size, dtype=buf.dtype, device=buf.device)
-            z.comm.add("reduce_scatter", sh.padded, buf.element_size(), z.world)
-            self.works.append((bi, out, _reduce_scatter(out, buf, group=z.group_for(buf),
-                                                                   async_op=True)))
+            self.works.append((bi, out, z.reduce_scatter_async(out, buf)))
 
     def finish(self) -> float:
         """At the step (every gradient final, untouched slots zeroed): the blocks not started

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from offload.zero import ensure_process_group, env_world
+from offload.zero import any_rank, ensure_process_group, env_world
 
 def peer_lost(output: str) -> str:
     return (f"a peer rank stopped answering (it failed, was killed, or the network dropped); "
@@ -69,12 +69,7 @@ class Ranks:
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is on any (a stop request every rank must act on at
         the same update, or the ranks' collectives would no longer pair up)."""
-        if not self.many:
-            return flag
-        import torch.distributed as dist
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return any_rank(flag, self.device) if self.many else flag
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a 0-d tensor over ranks (each rank's loss is its own rows' mean)."""

@@ -39,3 +39,11 @@ def smollm2_hf(smollm2_gguf) -> str:
 
     from offload.models.gguf import gguf_checkpoint_dir
     return gguf_checkpoint_dir(smollm2_gguf, torch.float32)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a process group's rendezvous in the rank tests)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,6 +17,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from conftest import free_port  # noqa: E402
+from test_engine import max_rel_diff as rel_diff, reference_train  # noqa: E402
 from zero_ranks import batches, lm_loss, make_model, vocab_of  # noqa: E402
 
 UPDATES, ROWS, SEQ, ACCUM, CLIP = 10, 6, 16, 2, 0.5
@@ -26,12 +27,6 @@ UPDATES, ROWS, SEQ, ACCUM, CLIP = 10, 6, 16, 2, 0.5
 # turns near-zero gradient differences into +-lr steps; at 1e-4 that self-difference is 1.8e-6
 OPT = dict(lr=1e-4, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 TOLERANCE = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_ranks(spec: dict, world: int, tmp_path, timeout_s: float = 240) -> list[dict]:
@@ -65,24 +60,10 @@ def reference(kind: str) -> tuple[dict, list[float], int]:
     torch.manual_seed(0)
     model = make_model(kind)
     data = batches(vocab_of(model), UPDATES * ACCUM, ROWS, SEQ)
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    losses = []
-    for i, ids in enumerate(data):
-        loss = lm_loss(model, ids)
-        (loss / ACCUM).backward()
-        losses.append(loss.item())
-        if (i + 1) % ACCUM == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params, losses = reference_train(model, data, lm_loss, lr=OPT["lr"], betas=OPT["betas"],
+                                     eps=OPT["eps"], wd=OPT["weight_decay"], clip=CLIP,
+                                     accum=ACCUM)
     return params, losses, sum(p.numel() for p in params.values())
-
-
-def rel_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    return max(((a[k].double() - b[k].double()).abs().max()
-                / b[k].double().abs().max().clamp_min(1e-12)).item() for k in a)
 
 
 def block_sizes(masters: dict) -> tuple[list[int], int]:

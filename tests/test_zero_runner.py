@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,17 +14,12 @@ import time
 import pytest
 import torch
 
+from conftest import free_port
 from nvme.format import SafetensorsFile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--lr", "1e-4",
          "--eval-every", "0", "--no-progress", "--warmup-steps", "0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args: list[str], *, nproc: int = 2, extra: list[str] | None = None,
