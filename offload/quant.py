@@ -1,0 +1,389 @@
+"""Group-wise weight quantization for streamed inference: weights travel quantized and are
+dequantized where the compute is.
+
+Format (QuantSpec(bits, group_size); the planner, the streamer and the GGUF reader share it):
+- int8, symmetric: w ~= q * scale, q in [-127, 127]; qweight int8 [out, padded_in], scales
+  float16 [out, groups]. group_size 0 is one group per row (per output channel).
+- int4, asymmetric: w ~= q * scale + min, q in [0, 15], two per byte (column 2j in the low nibble
+  of byte j, 2j+1 in the high one); qweight uint8 [out, padded_in // 2], scales and mins float16
+  [out, groups]. llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks are these with group_size 32 (from_gguf).
+The last group of a row is padded to group_size columns; pad columns are never read back.
+
+Scales and mins are rounded *outward* to float16 (min down, scale up, by at most one float16 step)
+and q is computed from the stored values: the group's range then always fits the 15 or 127
+steps, so |w - dequantized| <= stored scale / 2 (+ float32 rounding) for every element, also for
+tiny groups whose scale is a float16 subnormal, where rounding to nearest can lose half the range.
+
+quant_linear computes x @ W^T without a dense copy of W. Kernels, measured side by side on this
+project's 2-core AMD EPYC (Zen 3, AVX2, no AVX-512) by scripts/bench_quant.py (docs/BENCHMARKS.md;
+ms for the 1B Llama shapes 2048x2048 / 8192x2048 / 2048x8192, cold weights):
+- "chunked" (default): rows of W are dequantized a chunk at a time into a reused float32 buffer
+  that stays in cache and multiplied there (W_chunk @ x^T: MKL runs it 2x faster than x @ W^T
+  for 4-32 rows). For int4 the chunk holds each row's low nibbles, then its high ones, and x's
+  columns are permuted to match (no interleaving copy); the mins term becomes one small product,
+  (x summed per group) @ mins^T; per-channel int8 scales multiply the output instead of W.
+  fp32 x, 1 row: int8/channel 1.66/6.02/6.37 vs dense fp32 F.linear 1.30/5.56/4.76, int8/g32
+  1.5-1.9x dense, int4/g32 2.3-2.9x: one core's product from cache plus the dequantization
+  cannot beat one core's product from memory here. From 4 rows on it is faster (MKL's dense
+  x @ W^T is slow for few rows): 4 rows int8/ch 2.85/7.27/8.57 vs 3.39/17.85/17.41; 256 rows
+  on a par (16.8/82.9/76.0 vs 15.9/84.3/73.6). Tried and dropped: W's rows split over both
+  cores, each thread dequantizing and multiplying its part (no faster, up to 1.3x slower).
+- "fused": torch's `_weight_int8pack_mm` reads the int8 weight itself: per-channel int8, and fast
+  only with bf16 x (its fp32 and fp16 paths are scalar, 13.6 ms at 1 row). bf16 x, 1 row:
+  0.66/2.05/1.69 vs dense bf16 0.83/2.66/2.93 and chunked 2.07/6.23/6.62; it grows linearly
+  with rows and is slower than chunked beyond ~16 (FUSED_ROWS_MAX). Its bf16 scales (rounded
+  from our fp16 ones) and bf16 output keep it within bf16 rounding of x @ W^T, not bit-equal.
+  It segfaults unless in_features % 8 == 0 (torch 2.13): other widths run chunked.
+- torch's `_weight_int4pack_mm_for_cpu` with bf16 x is as fast (0.45/1.60/1.73 at 1 row) but
+  takes a CPU-specific blocked layout: converting our rows costs 14-80 ms per call, so it pays
+  only for weights converted once and kept, which streamed weights are not. Its dequantization
+  is (q - 8) * scale + zero with bf16 scale and zero (zero = min + 8 scale): not our values
+  exactly either. Measured by the benchmark, not used here.
+- "dense": F.linear(x, dequantize(...)), the reference; 2.5-9x slower (a fresh fp32 copy of W).
+$OFFLOAD_QUANT_KERNEL=dense|chunked|fused forces a kernel (fused only where it applies).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+FUSED_ROWS_MAX = 16  # fused vs chunked, bf16 x, 1B shapes: 16 rows 2.7/10.6/9.0 vs 3.5/12.6/11.0 ms; 32: slower
+CPU_CHUNK_BYTES = 4 << 20  # float32 chunk, <= MANY_ROWS rows: 1 row 1.5x faster than 1 or 16 MiB
+CPU_CHUNK_BYTES_MANY_ROWS = 16 << 20  # wider chunks for the GEMM: 256 rows -15% to +3% vs 4 MiB
+MANY_ROWS = 32
+CUDA_CHUNK_BYTES = 64 << 20  # a few kernel launches per weight, a bounded transient
+QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # rows quantized per step: ~16 MB per float32 temporary
+KERNELS = ("dense", "chunked", "fused")
+_GGUF_BLOCK = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 values
+
+
+class QuantError(ValueError):
+    """A weight cannot be quantized or quantized parts do not fit their spec; says how to fix."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one weight is quantized. Frozen and hashable: it keys the block layout and caches."""
+    bits: int  # 8 or 4
+    group_size: int  # input columns per scale; int8 only: 0 = one group per row
+
+    def validate(self) -> None:
+        if self.bits not in (8, 4) or isinstance(self.bits, bool):
+            raise QuantError(f"bits={self.bits!r}: use 8 (int8) or 4 (packed int4)")
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
+            raise QuantError(f"group_size={self.group_size!r}: use an integer >= 0 (e.g. 32, 64, 128)")
+        if self.bits == 4 and (self.group_size == 0 or self.group_size % 2):
+            raise QuantError(f"4-bit quantization needs an even group_size > 0 (e.g. 32, 64, 128), "
+                             f"got {self.group_size}")
+
+    def _width(self, in_features: int) -> int:
+        if in_features < 1:
+            raise QuantError(f"in_features={in_features}: a weight needs at least one input column")
+        return in_features if self.group_size == 0 else self.group_size
+
+    def groups(self, in_features: int) -> int:
+        return -(-in_features // self._width(in_features))
+
+    def padded_in(self, in_features: int) -> int:
+        return self.groups(in_features) * self._width(in_features)
+
+
+def packed_bytes(out_features: int, in_features: int, spec: QuantSpec) -> int:
+    """Bytes of all parts of an [out, in] weight (qweight + scales (+ mins)), for the planner."""
+    spec.validate()
+    g, p = spec.groups(in_features), spec.padded_in(in_features)
+    if spec.bits == 8:
+        return out_features * (p + 2 * g)
+    return out_features * (p // 2 + 4 * g)
+
+
+def _fp16_outward(v: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 v -> the nearest float16 >= v (up) or <= v (down): a range never shrinks when
+    stored (to nearest, a subnormal scale can lose up to half of it)."""
+    h = v.to(torch.float16)
+    off = h.float() < v if up else h.float() > v
+    toward = torch.full_like(h, float("inf") if up else float("-inf"))
+    return torch.where(off, torch.nextafter(h, toward), h)
+
+
+def quantize(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """w [out, in] (any float dtype; CPU) -> contiguous CPU parts (see the module docstring).
+    Rows are processed QUANTIZE_CHUNK_ELEMENTS at a time in float32, so the temporaries stay
+    small: 0.10-0.15 s per 8192x2048 weight here, 7-11 s for the 1.24B weights of a 1B model."""
+    spec.validate()
+    if w.dim() != 2 or not w.is_floating_point():
+        raise QuantError(f"quantize takes a 2-D float weight [out, in], got {tuple(w.shape)} {w.dtype}")
+    out_f, in_f = w.shape
+    if out_f == 0:
+        raise QuantError("quantize: the weight has no rows")
+    ng, p = spec.groups(in_f), spec.padded_in(in_f)
+    g = p // ng
+    q_out = torch.empty(out_f, p if spec.bits == 8 else p // 2, dtype=torch.int8 if spec.bits == 8 else torch.uint8)
+    scales = torch.empty(out_f, ng, dtype=torch.float16)
+    mins = torch.empty(out_f, ng, dtype=torch.float16) if spec.bits == 4 else None
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // p)
+    for a in range(0, out_f, step):
+        b = min(out_f, a + step)
+        wc = w[a:b].detach().to("cpu", torch.float32)  # [c, in]
+        finite = torch.isfinite(wc).all(1)
+        if not bool(finite.all()):
+            row = a + int((~finite).nonzero()[0])
+            raise QuantError(f"weight row {row} holds NaN or inf: fix the checkpoint (or keep this tensor unquantized)")
+        if p > in_f:  # pad with the row's last value: the last group's range stays its own
+            wc = torch.cat([wc, wc[:, -1:].expand(-1, p - in_f)], 1)  # [c, p]
+        wg = wc.view(b - a, ng, g)  # [c, groups, g]
+        if spec.bits == 8:
+            s = _fp16_outward(wg.abs().amax(-1) / 127, up=True)  # [c, groups]
+            _check_fp16(s, a, "an int8 scale (max |w| / 127)")
+            sf = torch.where(s > 0, s.float(), 1.0).unsqueeze(-1)  # [c, groups, 1]; all-zero group -> q 0
+            q_out[a:b] = torch.div(wg, sf).round_().clamp_(-127, 127).to(torch.int8).view(b - a, p)
+        else:
+            m = _fp16_outward(wg.amin(-1), up=False)  # [c, groups]
+            _check_fp16(m, a, "an int4 min (the group's minimum)")
+            s = _fp16_outward((wg.amax(-1) - m.float()) / 15, up=True)
+            _check_fp16(s, a, "an int4 scale ((max - min) / 15)")
+            sf = torch.where(s > 0, s.float(), 1.0).unsqueeze(-1)
+            q = torch.div(wg - m.float().unsqueeze(-1), sf).round_().clamp_(0, 15).to(torch.uint8).view(b - a, p)
+            q_out[a:b] = q[:, 0::2] | (q[:, 1::2] << 4)  # [c, p // 2]
+            mins[a:b] = m
+        scales[a:b] = s
+    parts = {"qweight": q_out, "scales": scales}
+    if mins is not None:
+        parts["mins"] = mins
+    return parts
+
+
+def _check_fp16(v: torch.Tensor, row0: int, what: str) -> None:
+    bad = ~torch.isfinite(v).all(1)
+    if bool(bad.any()):
+        row = row0 + int(bad.nonzero()[0])
+        raise QuantError(f"weight row {row}: {what} exceeds float16's 65504: |w| is too large for "
+                         f"float16 scales; rescale the weight or keep this tensor unquantized")
+
+
+def _check_parts(parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: int) -> tuple:
+    """(qweight, scales, mins or None), checked against spec and in_features."""
+    spec.validate()
+    ng, p = spec.groups(in_features), spec.padded_in(in_features)
+    need = ("qweight", "scales", "mins") if spec.bits == 4 else ("qweight", "scales")
+    missing = [k for k in need if k not in parts]
+    if missing:
+        raise QuantError(f"quantized parts lack {missing}: pass what quantize() returned for {spec}")
+    qw, sc = parts["qweight"], parts["scales"]
+    mn = parts.get("mins") if spec.bits == 4 else None
+    out_f = qw.shape[0] if qw.dim() == 2 else -1
+    want = [("qweight", qw, (out_f, p if spec.bits == 8 else p // 2), torch.int8 if spec.bits == 8 else torch.uint8),
+            ("scales", sc, (out_f, ng), torch.float16)] + ([("mins", mn, (out_f, ng), torch.float16)] if mn is not None else [])
+    for name, t, shape, dtype in want:
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != qw.device:
+            raise QuantError(f"{name} is {t.dtype} {tuple(t.shape)} on {t.device}, {spec} with in_features="
+                             f"{in_features} needs {dtype} {shape} on {qw.device}: quantize with the same spec")
+    return qw, sc, mn
+
+
+def _dequant_rows(qw: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None, spec: QuantSpec,
+                  a: int, b: int) -> torch.Tensor:
+    """Rows a:b as float32 [b - a, padded_in] in column order. q * scale is exact in float32
+    (11 x 8 bits) and + min rounds once: the values are llama.cpp's own, to the bit."""
+    n, ng = b - a, sc.shape[1]
+    if spec.bits == 8:
+        q = qw[a:b].float()  # [n, p]
+    else:
+        byte = qw[a:b]  # [n, p // 2]
+        q = torch.stack((byte & 15, byte >> 4), -1).float()  # [n, p // 2, 2]
+    w = q.view(n, ng, -1).mul_(sc[a:b].float().unsqueeze(-1))  # [n, groups, g]
+    if mn is not None:
+        w.add_(mn[a:b].float().unsqueeze(-1))
+    return w.view(n, -1)
+
+
+def dequantize(parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The [out, in] weight in `dtype` on the parts' device (float32 values, rounded once)."""
+    qw, sc, mn = _check_parts(parts, spec, in_features)
+    out = torch.empty(qw.shape[0], in_features, dtype=dtype, device=qw.device)
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // spec.padded_in(in_features))
+    for a in range(0, qw.shape[0], step):
+        b = min(qw.shape[0], a + step)
+        out[a:b] = _dequant_rows(qw, sc, mn, spec, a, b)[:, :in_features]
+    return out
+
+
+def _override() -> str | None:
+    value = os.environ.get("OFFLOAD_QUANT_KERNEL", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in KERNELS:
+        raise QuantError(f"OFFLOAD_QUANT_KERNEL={value!r}: use dense, chunked, fused or auto")
+    return value
+
+
+def fused_applies(spec: QuantSpec, in_features: int, x2d: torch.Tensor) -> bool:
+    """torch's int8pack kernel computes this product: per-channel int8, bf16 x on the CPU, and
+    in_features % 8 == 0 (other widths crash it)."""
+    return (x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 and spec.bits == 8
+            and spec.groups(in_features) == 1 and in_features % 8 == 0)
+
+
+def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor) -> str:
+    """The kernel quant_linear runs for x2d [rows, in]: fused where it applies and rows <=
+    FUSED_ROWS_MAX, chunked otherwise (or what $OFFLOAD_QUANT_KERNEL forces)."""
+    forced = _override()
+    fused = fused_applies(spec, in_features, x2d)
+    if forced == "dense":
+        return "dense"
+    if forced == "fused" or (forced is None and fused and x2d.shape[0] <= FUSED_ROWS_MAX):
+        return "fused" if fused else "chunked"
+    return "chunked"
+
+
+_tls = threading.local()  # per-thread CPU scratch: reused, so no page faults on every call
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of >= numel elements. On the CPU it is kept per thread (at most one chunk,
+    CPU_CHUNK_BYTES_MANY_ROWS, + the int4 nibbles): a fresh multi-MB allocation is returned to
+    the OS on free and page-faults again on every call."""
+    if device.type != "cpu":  # the CUDA caching allocator already reuses blocks
+        return torch.empty(numel, dtype=dtype, device=device)
+    bufs = _tls.__dict__.setdefault("bufs", {})
+    t = bufs.get((name, dtype))
+    if t is None or t.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: written inside and outside the mode
+            t = bufs[(name, dtype)] = torch.empty(numel, dtype=dtype)
+    return t[:numel]
+
+
+def chunk_rows(out_features: int, in_features: int, spec: QuantSpec, rows: int, device: torch.device,
+               dtype: torch.dtype) -> int:
+    """Weight rows dequantized per chunk by the chunked kernel."""
+    if device.type == "cpu":
+        budget = CPU_CHUNK_BYTES if rows <= MANY_ROWS else CPU_CHUNK_BYTES_MANY_ROWS
+    else:
+        budget = CUDA_CHUNK_BYTES
+    per_row = spec.padded_in(in_features) * torch.finfo(dtype).bits // 8
+    return max(1, min(out_features, budget // per_row))
+
+
+def workspace_bytes(out_features: int, in_features: int, spec: QuantSpec, rows: int,
+                    device: torch.device, dtype: torch.dtype) -> int:
+    """Transient bytes quant_linear allocates beyond x and its result (for the planner): the
+    chunk, the int4 nibble scratch, padded/permuted x and the transposed output."""
+    cdt = torch.float32 if device.type == "cpu" else dtype
+    size = torch.finfo(cdt).bits // 8
+    p = spec.padded_in(in_features)
+    c = chunk_rows(out_features, in_features, spec, rows, device, cdt)
+    nibbles = c * p if spec.bits == 4 else 0
+    return c * p * size + nibbles + 2 * rows * p * size + 2 * rows * out_features * size
+
+
+def _chunked(x2d: torch.Tensor, qw: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None,
+             spec: QuantSpec, in_features: int) -> torch.Tensor:
+    """x2d [rows, in] (compute dtype) @ W^T -> [rows, out], W dequantized chunk by chunk into
+    this thread's scratch."""
+    rows, out_f, cdt, dev = x2d.shape[0], qw.shape[0], x2d.dtype, x2d.device
+    ng, p = spec.groups(in_features), spec.padded_in(in_features)
+    g = p // ng
+    xp = F.pad(x2d, (0, p - in_features)) if p > in_features else x2d  # [rows, p], zeros in pad
+    if spec.bits == 4:
+        xsum = xp.reshape(rows, ng, g).float().sum(-1)  # [rows, groups]: the mins' factor
+        xp = torch.cat((xp[:, 0::2], xp[:, 1::2]), 1)  # [rows, p]: the chunk's column order
+    c = chunk_rows(out_f, in_features, spec, rows, dev, cdt)
+    buf = _scratch("chunk", c * p, cdt, dev).view(c, p)
+    nib = _scratch("nibbles", c * p, torch.uint8, dev).view(c, 2, p // 2) if spec.bits == 4 else None
+    y_t = torch.empty(out_f, rows, dtype=cdt, device=dev)  # [out, rows]: chunks write whole rows
+    for a in range(0, out_f, c):
+        b = min(out_f, a + c)
+        w = buf[: b - a]  # [n, p]
+        if spec.bits == 8:
+            w.copy_(qw[a:b])
+            if ng > 1:
+                w.view(b - a, ng, g).mul_(sc[a:b].float().unsqueeze(-1))
+        else:
+            t = nib[: b - a]  # [n, 2, p // 2]
+            torch.bitwise_and(qw[a:b], 15, out=t[:, 0])
+            torch.bitwise_right_shift(qw[a:b], 4, out=t[:, 1])
+            wv = w.view(b - a, 2, ng, g // 2)  # [n, low|high, groups, g / 2]
+            wv.copy_(t.view(b - a, 2, ng, g // 2))
+            wv.mul_(sc[a:b].float()[:, None, :, None])
+        torch.mm(w, xp.T, out=y_t[a:b])  # [n, rows]
+    if ng == 1 and spec.bits == 8:
+        y_t.mul_(sc.float())  # [out, 1]: (x . q) * scale
+    if mn is not None:
+        y_t.add_(mn.float() @ xsum.T)  # [out, groups] @ [groups, rows]: sum over groups of min * sum(x)
+    return y_t.T
+
+
+def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
+                 bias: torch.Tensor | None = None, *, kernel: str | None = None) -> torch.Tensor:
+    """x [..., in] (float32 / bfloat16 / float16, CPU or CUDA) @ W^T (+ bias) -> [..., out] in x's
+    dtype, W the dequantized weight; never a dense copy of W (except kernel="dense").
+    On the CPU the chunked kernel computes in float32 (bf16 GEMMs of 32-256 rows ran 2-7x slower
+    than float32 here: no AVX-512 BF16), on CUDA in x's dtype. `kernel` overrides kernel_for."""
+    qw, sc, mn = _check_parts(parts, spec, in_features)
+    if x.shape[-1] != in_features or not x.is_floating_point():
+        raise QuantError(f"x is {x.dtype} {tuple(x.shape)}: quant_linear needs float [..., {in_features}]")
+    if x.device != qw.device:
+        raise QuantError(f"x is on {x.device}, the quantized weight on {qw.device}: move one of them")
+    out_f = qw.shape[0]
+    x2d = x.reshape(-1, in_features)
+    if kernel is None:  # autograd cannot go through the chunks' out= products
+        kernel = "dense" if torch.is_grad_enabled() and x.requires_grad else kernel_for(spec, in_features, x2d)
+    elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d)):
+        raise QuantError(f"kernel={kernel!r}: use dense or chunked (fused: per-channel int8, bf16 x "
+                         f"on the CPU, in_features % 8 == 0)")
+    cdt = torch.float32 if x.device.type == "cpu" else x.dtype
+    if x2d.shape[0] == 0:
+        y = x2d.new_zeros(0, out_f)
+    elif kernel == "fused":
+        y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), qw.contiguous(), sc.reshape(-1).to(x.dtype))
+    elif kernel == "dense":
+        y = F.linear(x2d.to(cdt), dequantize(parts, spec, in_features, cdt))
+    else:
+        y = _chunked(x2d.to(cdt), qw, sc, mn, spec, in_features)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).contiguous().view(*x.shape[:-1], out_f)
+
+
+def from_gguf(kind: str, raw: np.ndarray | bytes, shape: tuple[int, int]) -> tuple[QuantSpec, dict[str, torch.Tensor]]:
+    """llama.cpp tensor data (Q8_0 / Q4_0 / Q4_1, blocks of 32) of a weight of PyTorch shape
+    (out, in) -> (spec, parts) that dequantize to exactly gguf's float32 values. Q4_0's value
+    (q - 8) * d becomes q * d + (-8 d): both products are exact, so the float32 sums agree."""
+    if kind not in _GGUF_BLOCK:
+        raise QuantError(f"GGUF type {kind!r}: only Q8_0, Q4_0 and Q4_1 map onto this format")
+    out_f, in_f = (int(d) for d in shape)
+    if out_f < 1 or in_f < 1 or in_f % 32:
+        raise QuantError(f"GGUF {kind} weight of shape {shape}: rows must hold whole blocks of 32 values")
+    data = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) \
+        else np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    nb, size = in_f // 32, _GGUF_BLOCK[kind]
+    if data.size != out_f * nb * size:
+        raise QuantError(f"GGUF {kind} data of {data.size} bytes, shape {shape} needs {out_f * nb * size}: "
+                         f"the tensor is truncated or its shape is wrong")
+    blocks = data.reshape(out_f, nb, size)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0]  # [out, nb]
+    if not np.isfinite(d).all():
+        raise QuantError(f"GGUF {kind} data holds a NaN/inf block scale: the file is damaged")
+    if kind == "Q8_0":
+        q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(out_f, in_f)
+        return QuantSpec(8, 32), {"qweight": torch.from_numpy(q.copy()), "scales": torch.from_numpy(d.copy())}
+    if kind == "Q4_0":
+        nibbles, m = blocks[:, :, 2:], (d.astype(np.float32) * -8).astype(np.float16)
+        if not np.isfinite(m).all():
+            raise QuantError("GGUF Q4_0 block scale above 8188: its min (-8 d) overflows float16")
+    else:
+        nibbles = blocks[:, :, 4:]
+        m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0]
+        if not np.isfinite(m).all():
+            raise QuantError("GGUF Q4_1 data holds a NaN/inf block min: the file is damaged")
+    e = np.concatenate((nibbles & 15, nibbles >> 4), axis=2)  # [out, nb, 32]: gguf's element order
+    packed = (e[:, :, 0::2] | (e[:, :, 1::2] << 4)).astype(np.uint8).reshape(out_f, in_f // 2)
+    return QuantSpec(4, 32), {"qweight": torch.from_numpy(packed), "scales": torch.from_numpy(d.copy()),
+                              "mins": torch.from_numpy(np.ascontiguousarray(m))}
