@@ -54,8 +54,11 @@ class BlockLayout:
 
 def _file_runs(i: int, params: dict[str, nn.Parameter], ranges: list[TensorRange],
                dtype: torch.dtype) -> tuple[list[str], torch.dtype, list[Run], int]:
-    """(parameter order = file order, stored dtype, merged runs, shift) of a file-backed block."""
+    """(parameter order = file order, stored dtype, merged runs, shift) of a file-backed block.
+    `dtype` uint8 is a byte block: every range is stored as raw bytes (dtype uint8) holding the
+    parameter's own dtype, which the parameter keeps (quantized blocks, offload/models/quantized.py)."""
     by_name = {r.name: r for r in ranges}
+    byte_block = dtype == torch.uint8
     if set(by_name) != set(params):
         raise StreamError(f"block {i}: file ranges cover {sorted(by_name)}, the module has "
                           f"parameters {sorted(params)}")
@@ -68,7 +71,8 @@ def _file_runs(i: int, params: dict[str, nn.Parameter], ranges: list[TensorRange
     pos = 0
     for n in order:
         r = by_name[n]
-        expect = params[n].numel() * stored.itemsize
+        # a byte block stores each parameter's own bytes (see blocks.ParamSlot.dtype)
+        expect = params[n].numel() * (params[n].element_size() if byte_block else stored.itemsize)
         if r.nbytes != expect:
             raise StreamError(f"block {i}: {n} is stored as {r.nbytes} bytes, expected {expect}")
         last = runs[-1] if runs else None
@@ -106,16 +110,25 @@ def layout_block(i: int, layer: nn.Module, ranges: list[TensorRange] | None, *, 
         out = BlockLayout(Block(index=i, name=str(i), module=layer), None,
                           host_values=None if adopted else {})
     block = out.block
+    byte_block = dtype == torch.uint8
+    if byte_block and ranges is None:
+        raise StreamError(f"block {i}: a byte block (dtype uint8) streams from files only")
     for n in order:
         p = params[n]
         if out.host_values is not None:  # the module's values are the source
             out.host_values[n] = p.detach().to("cpu", dtype).clone()
         if p.device.type == "meta" or p.device != device or p.dtype != dtype:
             owner, _, attr = n.rpartition(".")
-            new = nn.Parameter(empty, requires_grad=p.requires_grad)
+            # a byte block is inference-only: a uint8 placeholder cannot require gradients
+            new = nn.Parameter(empty, requires_grad=p.requires_grad and not byte_block)
             setattr(layer.get_submodule(owner) if owner else layer, attr, new)
         else:
             new = p
-        block.slots.append(ParamSlot(n, new, block.numel, p.numel(), p.shape))
-        block.numel += p.numel()
+        size = p.numel() * p.element_size() if byte_block else p.numel()
+        if byte_block and block.numel % p.element_size():
+            raise StreamError(f"block {i}: {n} ({p.dtype}) starts at byte {block.numel}, not a "
+                              f"multiple of its element size; store wider dtypes first")
+        block.slots.append(ParamSlot(n, new, block.numel, size, p.shape,
+                                     dtype=p.dtype if byte_block else None))
+        block.numel += size
     return out

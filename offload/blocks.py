@@ -33,6 +33,10 @@ class ParamSlot:
     offset: int  # element offset inside the block's flat buffers
     numel: int
     shape: torch.Size
+    # a byte block (quantized weights: int8/uint8 codes, fp16 scales and 16-bit norms in one
+    # uint8 buffer): the parameter's own dtype, offset and numel then count bytes; None: the
+    # flat buffer's dtype
+    dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -50,7 +54,9 @@ class Block:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """{param name: view of `flat` shaped like the parameter}."""
         assert flat.numel() == self.numel, (flat.numel(), self.numel)
-        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots}
+        return {s.name: (flat[s.offset:s.offset + s.numel] if s.dtype is None else
+                         flat[s.offset:s.offset + s.numel].view(s.dtype)).view(s.shape)
+                for s in self.slots}
 
 
 def find_block_list(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList] | None:

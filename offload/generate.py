@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from offload.kv_offload import OffloadedKVCache
 from offload.models import KVCache, LlamaForCausalLM
 from offload.stream import BlockStreamer, StreamStats
 
@@ -94,6 +95,7 @@ class GenerationResult:
     prefill_stream: StreamStats | None = None
     decode_stream: StreamStats | None = None
     finished: list[bool] = field(default_factory=list)  # ended by a stop token
+    kv_h2d_bytes: int = 0  # an offloaded KV cache: past positions brought to the device
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -121,8 +123,12 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], *, max_n
              sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
              streamer: BlockStreamer | None = None,
-             on_tokens: Callable[[int, list[int | None]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[int, list[int | None]], None] | None = None,
+             kv_tier: str = "device") -> GenerationResult:
     """Generate up to `max_new_tokens` for every prompt as one batch.
+
+    kv_tier "host": the KV cache in host RAM, one layer at a time on the device
+    (offload/kv_offload.py) -- for a batch whose cache does not fit the device.
 
     on_tokens(step, ids): after each step, the new id of every row (None for finished rows).
     A row ends at its first stop id (kept in its output); the batch ends when all have."""
@@ -142,7 +148,12 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], *, max_n
         mask[r, T - len(p):] = 1  # generated positions (T:) are real tokens too
     padded = min(lengths) != T
     mask = mask.to(device)
-    cache = KVCache(cfg, B, T + max_new_tokens, device=device, dtype=dtype)
+    if kv_tier == "host":
+        cache = OffloadedKVCache(cfg, B, T + max_new_tokens, device=device, dtype=dtype)
+    elif kv_tier == "device":
+        cache = KVCache(cfg, B, T + max_new_tokens, device=device, dtype=dtype)
+    else:
+        raise GenerationError(f"kv_tier must be 'device' or 'host', got {kv_tier!r}")
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     stops = set(int(s) for s in stop_ids)
     out: list[list[int]] = [[] for _ in range(B)]
@@ -194,4 +205,5 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], *, max_n
     dec_stats = streamer.stats.copy().minus(snap) if streamer is not None else None
     return GenerationResult(tokens=out, prompt_tokens=sum(lengths), decode_tokens=decode_tokens,
                             decode_steps=steps, prefill_s=prefill_s, decode_s=decode_s,
-                            prefill_stream=pre_stats, decode_stream=dec_stats, finished=finished)
+                            prefill_stream=pre_stats, decode_stream=dec_stats, finished=finished,
+                            kv_h2d_bytes=getattr(cache, "h2d_bytes", 0))

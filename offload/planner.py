@@ -26,6 +26,7 @@ The training planner (a later issue) will live in its own module and reuse `Link
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -92,6 +93,11 @@ class InferencePlan:
     zero_copy_host: bool
     max_batch: int | None = None
     notes: list[str] = field(default_factory=list)
+    # "device", or "host": the KV cache in host RAM, each layer's brought to the device before
+    # it runs (offload/kv_offload.py; throughput mode, when it does not fit the device)
+    kv_tier: str = "device"
+    kv_h2d_bytes_per_step: int = 0  # past keys/values copied in per decode step (average)
+    max_batch_device_kv: int | None = None  # throughput: the largest batch with the KV on the device
 
     def count(self, tier: str) -> int:
         return sum(r == tier for r in self.residency)
@@ -102,7 +108,7 @@ class InferencePlan:
     def streamed_per_step(self) -> dict[str, int]:
         """Bytes moved per forward step over each link: 'h2d' (host-tier blocks copied in) and
         'disk' (NVMe blocks read, in the checkpoint's dtype)."""
-        h2d = 0 if self.zero_copy_host else self.tier_bytes("cpu")
+        h2d = (0 if self.zero_copy_host else self.tier_bytes("cpu")) + self.kv_h2d_bytes_per_step
         disk = sum(s for s, r in zip(self.stored_block_bytes, self.residency) if r == "nvme")
         return {"h2d": h2d, "disk": disk}
 
@@ -135,7 +141,7 @@ class InferencePlan:
                          f"{format_bytes(self.host_budget)}")
         s = self.streamed_per_step()
         lines.append(f"  nvme:   {self.count('nvme')} blocks, {format_bytes(s['disk'])} read per step "
-                     f"straight from the checkpoint")
+                     f"from disk, as stored (the checkpoint's shards, or the quantized blocks)")
         if links is not None:
             floor = self.floor_s_per_step(links)
             if floor > 0:
@@ -144,8 +150,15 @@ class InferencePlan:
                              f"{format_bytes(s['disk'])} at {links.disk_gbps:.2f} GB/s)")
             else:
                 lines.append("  floor:  nothing streamed per step (compute-bound)")
+        if self.kv_tier == "host":
+            lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} in host RAM (it does not fit the "
+                         f"device beside the weights), one layer at a time on the device: "
+                         f"{format_bytes(self.kv_h2d_bytes_per_step)} in per step on average")
         if self.max_batch is not None:
-            lines.append(f"  largest batch that fits at this context: {self.max_batch}")
+            kv_where = " with the KV cache in host RAM" if self.kv_tier == "host" else ""
+            lines.append(f"  largest batch that fits at this context{kv_where}: {self.max_batch}")
+        if self.max_batch_device_kv is not None and self.kv_tier == "host":
+            lines.append(f"  largest batch with the KV cache on the device: {self.max_batch_device_kv}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -163,6 +176,9 @@ class _Sizes:
     depth: dict[str, int]  # tier -> blocks in flight ahead of the running one
     staging_needed: bool
     scratch_bytes: int = 0  # transient buffers of the first forward (kernel measurement)
+    kv_tier: str = "device"  # "host": offload/kv_offload.py, `kv_ahead + 1` layers on the device
+    num_layers: int = 1
+    kv_ahead: int = 1
 
     def __post_init__(self) -> None:
         # Host buffers of a GPU run are pinned, and pinned memory is handed out in powers of
@@ -170,8 +186,17 @@ class _Sizes:
         self.host_size = (lambda b: b) if self.device_is_host else pinned_bytes
         self.host_block_bytes = [self.host_size(b) for b in self.block_bytes]
 
+    def kv_device_per_seq(self) -> int:
+        if self.kv_tier == "device":
+            return self.kv_bytes_per_seq
+        layers_on_device = min(self.kv_ahead + 1, self.num_layers)
+        return -(-self.kv_bytes_per_seq * layers_on_device // self.num_layers)
+
+    def kv_host(self, batch: int) -> int:
+        return self.host_size(batch * self.kv_bytes_per_seq) if self.kv_tier == "host" else 0
+
     def fixed(self, batch: int) -> int:
-        return (self.non_block_bytes + batch * (self.kv_bytes_per_seq + self.workspace_per_seq)
+        return (self.non_block_bytes + batch * (self.kv_device_per_seq() + self.workspace_per_seq)
                 + WORKSPACE_FIXED_BYTES + self.scratch_bytes)
 
     def slots_for(self, res: list[str]) -> tuple[int, int]:
@@ -195,16 +220,23 @@ class _Sizes:
         count, slot_b = self.slots_for(res)
         dev = self.fixed(batch) + slot_b + sum(
             b for b, r in zip(self.block_bytes, res) if r == "device")
-        host = self.staging_for(res) + sum(
+        host = self.staging_for(res) + self.kv_host(batch) + sum(
             b for b, r in zip(self.host_block_bytes, res) if r == "cpu")
         if self.device_is_host:
             dev, host = dev + host, dev + host
         return dev, host, count, slot_b
 
-    def max_batch_for(self, res: list[str], device_budget: int) -> int:
-        dev, _, _, _ = self.needs(res, 0)
-        per_seq = self.kv_bytes_per_seq + self.workspace_per_seq
-        return max(0, (device_budget - dev) // per_seq) if per_seq else 0
+    def max_batch_for(self, res: list[str], device_budget: int, host_budget: int | None = None) -> int:
+        dev, host, _, _ = self.needs(res, 0)
+        per_seq = self.kv_device_per_seq() + self.workspace_per_seq
+        fits = max(0, (device_budget - dev) // per_seq) if per_seq else 0
+        if self.kv_tier == "host" and host_budget is not None and self.kv_bytes_per_seq:
+            # the host holds every sequence's keys and values (pinned: rounded up, so search)
+            room = host_budget - host
+            fits = min(fits, max(0, room // self.kv_bytes_per_seq))
+            while fits and self.kv_host(fits) > room:
+                fits -= 1
+        return fits
 
 
 def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non_block_bytes: int,
@@ -213,11 +245,17 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
                    device_budget_flag: str = "--gpu-memory", host_budget_flag: str = "--cpu-memory",
                    mode: str = "latency", force: str | None = None, host_ahead: int = 1,
                    nvme_ahead: int = 2, staging_needed: bool = True,
-                   scratch_bytes: int = 0) -> InferencePlan:
+                   scratch_bytes: int = 0, kv_tier: str = "auto", num_layers: int | None = None,
+                   kv_ahead: int = 1, kv_positions_per_step: int | None = None) -> InferencePlan:
     """Place every block. `staging_needed`: NVMe reads go through host staging (always on a GPU;
     on CPU only when the checkpoint dtype differs from the compute dtype). `scratch_bytes`:
     transient device bytes beside the workspace (offload/models/kernels.py's measurement
-    buffer), counted so that an accepted plan cannot run out of memory during them."""
+    buffer), counted so that an accepted plan cannot run out of memory during them.
+    `kv_tier`: "device", "host" (offload/kv_offload.py: the cache in host RAM, `kv_ahead + 1`
+    layers of it on the device) or "auto": the device, unless throughput mode on a GPU cannot
+    fit the batch's cache there and host RAM can. `kv_positions_per_step`: the cached positions
+    a decode step reads on average (prompt + half the new tokens; default the context), for the
+    floor of a host-tier cache."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     if force is not None and force not in FORCED:
@@ -228,11 +266,27 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
         device_budget = host_budget = min(device_budget, host_budget)
         device_budget_flag = host_budget_flag
         fill_mode = "latency"
+    if kv_tier not in ("auto", "device", "host"):
+        raise ValueError("kv_tier must be auto, device or host")
     sizes = _Sizes(list(block_bytes), list(stored_block_bytes), non_block_bytes, kv_bytes_per_seq,
                    workspace_per_seq, device_is_host, {"cpu": host_ahead, "nvme": nvme_ahead},
-                   staging_needed, scratch_bytes)
-    res = ([force] * n if force is not None else
-           _place(sizes, batch_size, device_budget, host_budget, fill_mode))
+                   staging_needed, scratch_bytes, kv_tier="host" if kv_tier == "host" else "device",
+                   num_layers=num_layers or max(1, n), kv_ahead=kv_ahead)
+
+    def placement(sz: _Sizes) -> list[str]:
+        return [force] * n if force is not None else _place(sz, batch_size, device_budget,
+                                                            host_budget, fill_mode)
+
+    res = placement(sizes)
+    device_kv_sizes, device_kv_res = sizes, res
+    if kv_tier == "auto" and mode == "throughput" and not device_is_host \
+            and sizes.needs(res, batch_size)[0] > device_budget:
+        # the batch's cache does not fit the device: keep it in host RAM if that fits
+        on_host = dataclasses.replace(sizes, kv_tier="host")
+        host_res = placement(on_host)
+        dev, host, _, _ = on_host.needs(host_res, batch_size)
+        if dev <= device_budget and host <= host_budget:
+            sizes, res = on_host, host_res
     dev_need, host_need, slot_count, slot_b = sizes.needs(res, batch_size)
     plan = InferencePlan(residency=res, mode=mode, batch_size=batch_size, context=context,
                          block_bytes=list(block_bytes), stored_block_bytes=list(stored_block_bytes),
@@ -242,13 +296,21 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
                          slot_count=slot_count, slot_bytes=slot_b, staging_bytes=sizes.staging_for(res),
                          device_need=dev_need, host_need=host_need, device_budget=device_budget,
                          host_budget=host_budget, device_is_host=device_is_host,
-                         zero_copy_host=device_is_host)
+                         zero_copy_host=device_is_host, kv_tier=sizes.kv_tier)
+    if sizes.kv_tier == "host":
+        positions = min(kv_positions_per_step or context, context)
+        plan.kv_h2d_bytes_per_step = batch_size * kv_bytes_per_seq * positions // max(1, context)
+        plan.notes.append(f"the KV cache is in host RAM, {min(kv_ahead + 1, sizes.num_layers)} layers "
+                          f"of it on the device at a time" + (" (on a CPU device this only runs "
+                          "the offload path: both are host RAM)" if device_is_host else ""))
 
     def max_batch_for(placement: list[str]) -> int:
-        return sizes.max_batch_for(placement, device_budget)
+        return sizes.max_batch_for(placement, device_budget, host_budget)
 
     if mode == "throughput":
         plan.max_batch = max_batch_for(res)
+        if sizes.kv_tier == "host":
+            plan.max_batch_device_kv = device_kv_sizes.max_batch_for(device_kv_res, device_budget)
     if device_is_host and force == "cpu":
         plan.notes.append("on a CPU device host-tier blocks are used in place (no copy)")
     if device_is_host and mode == "throughput":
@@ -317,6 +379,8 @@ def _check(plan: InferencePlan, force: str | None, dev_flag: str, host_flag: str
             hints.append(f"--batch-size {fits}")
         hints.append(f"{dev_flag} {format_bytes(min_dev)} or more")
         hints.append("fewer --max-new-tokens or shorter prompts (smaller KV cache)")
+        if plan.mode == "latency" and not plan.device_is_host and plan.kv_tier == "device":
+            hints.append("--mode throughput (the KV cache in host RAM)")
         raise BudgetError(f"even streaming every block needs {format_bytes(min_dev)} in {where} "
                           f"(non-block weights {format_bytes(plan.non_block_bytes)}, KV cache "
                           f"{format_bytes(plan.kv_bytes)}, workspace {format_bytes(plan.workspace_bytes)}, "

@@ -27,11 +27,18 @@ from tqdm import tqdm
 
 from offload.config import format_bytes, read_regular_file
 from offload.generate import SamplingParams, check_prompts, generate
-from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
+from offload.models import (PRESETS, CheckpointReader, ModelConfig, block_parameter_shapes,
+                            init_parameter_, kv_cache_bytes,
                             num_block_params, num_params, parameter_shapes, preset, save_pretrained)
 from offload.planner import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
 from offload.models import kernels, load_streamed
+from offload.models.quantized import (QuantizedBlocks, QuantSettings, cache_key, checkpoint_source,
+                                      convert_blocks, gguf_source, gguf_types, is_converted,
+                                      load_quantized_streamed,
+                                      projection_specs, quantized_block_bytes, quantized_dir,
+                                      source_identity)
+from offload.quant import QuantError, workspace_bytes as quant_workspace_bytes
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,
@@ -71,7 +78,19 @@ def build_parser() -> Parser:
     p.add_argument("--weights", default="auto", choices=["auto", "device", "cpu", "nvme"],
                    help="auto = planner; the others put every block in that tier")
     add_budget_args(p)
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="store and stream the decoder layers' projection weights as group-wise "
+                        "int8 or int4 codes with fp16 scales, dequantized where they are used; "
+                        "converted once into --offload-dir (default ~/.cache/offload)/quant and "
+                        "reused. A GGUF model's Q8_0 (int8) or Q4_0/Q4_1 (int4) tensors are taken "
+                        "as they are")
+    p.add_argument("--group-size", type=int, default=0, metavar="N",
+                   help="--quantize: input columns per scale (default: int8 one per row, int4 64)")
     p.add_argument("--mode", default="latency", choices=MODES)
+    p.add_argument("--kv-cache", default="auto", choices=["auto", "device", "host"],
+                   help="where the KV cache lives: auto = the device, unless --mode throughput on a "
+                        "GPU cannot fit the batch's cache there (then host RAM, one layer at a time "
+                        "on the device)")
     p.add_argument("--nvme-ahead", type=int, default=2, help="blocks read ahead from NVMe")
     p.add_argument("--probe-seconds", type=float, default=1.0,
                    help="time spent measuring link bandwidths at start-up; the streamer then "
@@ -188,6 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise RunnerError(f"--probe-seconds must be in [0, 60], got {args.probe_seconds}")
     if args.nvme_ahead < 1:
         raise RunnerError(f"--nvme-ahead must be >= 1, got {args.nvme_ahead}")
+    if args.quantize != "none":
+        try:
+            QuantSettings(args.quantize, args.group_size).spec()
+        except QuantError as e:
+            raise RunnerError(f"--quantize {args.quantize} --group-size {args.group_size}: {e}") from None
+    elif args.group_size:
+        raise RunnerError("--group-size sets the --quantize groups: add --quantize int8|int4")
     if args.interactive:
         args.chat = True
         if args.prompt or args.prompt_file or args.prompt_ids or args.batch_size not in (None, 1):
@@ -199,8 +225,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise RunnerError("--system is the system message of a chat: add --chat")
     if not math.isfinite(args.temperature):
         raise RunnerError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    device = select_device(args.gpu)
-    dtype = select_dtype(args.dtype, device)
+    # A dry run may plan for a GPU this machine does not have (sizing a workstation from a
+    # laptop): its memory is --gpu-memory, and the link to it cannot be measured here.
+    args.planned_gpu = args.dry_run and args.gpu is not None and args.gpu >= 0 and \
+        not torch.cuda.is_available()
+    if args.planned_gpu:
+        if args.gpu_memory is None:
+            raise RunnerError(f"--gpu {args.gpu}: no CUDA device here; a --dry-run can plan for one "
+                              f"of a given size: add --gpu-memory SIZE (e.g. 80GiB)")
+        device = torch.device("cuda", args.gpu)
+        dtype = torch.bfloat16 if args.dtype == "auto" else select_dtype(args.dtype, device)
+    else:
+        device = select_device(args.gpu)
+        dtype = select_dtype(args.dtype, device)
     gpu_budget, cpu_budget = check_budget_flags(args, device)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     cfg, path, is_random = resolve_model(args, dtype)
@@ -238,40 +275,105 @@ def main(argv: Sequence[str] | None = None) -> int:
     ready = path is not None and os.path.isfile(os.path.join(path, "config.json"))
     reader = CheckpointReader(path) if ready else None
     try:
+        quant = _quant_source(args, cfg, reader, dtype)
         return _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget,
-                    cpu_budget, sampling)
+                    cpu_budget, sampling, quant)
     finally:
         if reader is not None:
             reader.close()
 
 
+# ---- quantized blocks -----------------------------------------------------------------------------
+def _quant_source(args, cfg: ModelConfig, reader, dtype: torch.dtype):
+    """None without --quantize; else (settings, per-layer specs, the GGUF path or None)."""
+    if args.quantize == "none":
+        return None
+    settings = QuantSettings(args.quantize, args.group_size)  # checked in main
+    gguf_path = args.model if os.path.isfile(args.model) else None
+    types = None
+    if gguf_path is not None:
+        from offload.models.gguf import GGUFReader
+        with GGUFReader(gguf_path) as g:
+            types = gguf_types(g)
+    return settings, projection_specs(cfg, settings, types), gguf_path
+
+
+def _convert_quantized(args, cfg, reader, dtype, quant) -> QuantizedBlocks:
+    """The quantized blocks in the cache, converted now unless a finished conversion of the
+    same source and settings is there."""
+    settings, specs, gguf_path = quant
+    src_files = [gguf_path] if gguf_path else sorted({loc.path for loc in reader.locations.values()})
+    key = cache_key(source_identity(src_files, cfg), settings, dtype)
+    root = os.path.abspath(os.path.expanduser(args.offload_dir or os.path.join("~", ".cache", "offload")))
+    qdir = quantized_dir(root, gguf_path or args.model, key)
+    writable_dir(os.path.dirname(qdir), "--offload-dir")
+    need = sum(quantized_block_bytes(cfg, s, dtype) for s in specs)
+    if not os.path.isfile(os.path.join(qdir, "manifest.json")) and need > disk_free_bytes(os.path.dirname(qdir)):
+        raise RunnerError(f"the {args.quantize} blocks need {format_bytes(need)} on disk, "
+                          f"{format_bytes(disk_free_bytes(os.path.dirname(qdir)))} free at {qdir}; "
+                          f"use --offload-dir elsewhere")
+    g = None
+    try:
+        if gguf_path is not None:
+            from offload.models.gguf import GGUFReader
+            g = GGUFReader(gguf_path)
+        source = gguf_source(g, settings) if g is not None else checkpoint_source(reader, dtype)
+        if is_converted(qdir, key):
+            return convert_blocks(qdir, key, cfg, specs, dtype, source)
+        with tqdm(total=cfg.num_hidden_layers, desc=f"blocks to {args.quantize} (once)", unit="block",
+                  file=sys.stderr) as bar:
+            return convert_blocks(qdir, key, cfg, specs, dtype, source, progress=lambda i: bar.update(1))
+    except QuantError as e:
+        raise RunnerError(f"--quantize {args.quantize}: {e}") from None
+    finally:
+        if g is not None:
+            g.close()
+
+
 def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget, cpu_budget,
-         sampling) -> int:
-    plan = _plan(args, cfg, reader, len(batches[0]), context, device, dtype, gpu_budget, cpu_budget)
-    links, measured = _probe_links(args, cfg, reader, plan, device)
-    block = num_block_params(cfg) * dtype.itemsize
+         sampling, quant=None) -> int:
+    plan = _plan(args, cfg, reader, len(batches[0]), context, device, dtype, gpu_budget, cpu_budget,
+                 quant)
+    qblocks = (_convert_quantized(args, cfg, reader, dtype, quant)
+               if quant is not None and reader is not None and not args.dry_run else None)
+    links, measured = _probe_links(args, cfg, reader, plan, device, qblocks)
+    block = plan.block_bytes[0] if plan.block_bytes else 0
+    kind = (dtype_label(dtype) if quant is None else
+            f"{args.quantize} (projections; the rest {dtype_label(dtype)})")
     print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params, "
-          f"{cfg.num_hidden_layers} blocks of {format_bytes(block)} in {dtype_label(dtype)}) on "
+          f"{cfg.num_hidden_layers} blocks of {format_bytes(block)} in {kind}) on "
           f"{device}", file=sys.stderr)
     print(plan.describe(links if measured else None), file=sys.stderr)
-    if not measured:
+    if getattr(args, "planned_gpu", False):
+        print("  floor:  unknown (planned for a GPU that is not here: run on the machine to "
+              "measure its host->device and disk links)", file=sys.stderr)
+    elif not measured:
         print("  floor:  unknown (disk bandwidth not measured: no checkpoint files to read yet)",
               file=sys.stderr)
+    if args.interactive and plan.kv_tier == "host":
+        raise RunnerError("--interactive keeps the conversation's KV cache on the device; "
+                          "--kv-cache host is for batches (drop it, or lower --max-context)")
     if args.dry_run:
         if args.output_json:
             _write_json(args.output_json, {"plan": _plan_json(plan)})
         return 0
     with tqdm(total=cfg.num_hidden_layers, desc="loading blocks", unit="block",
               file=sys.stderr) as bar:
-        model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
-                                        nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1))
+        if qblocks is not None:
+            model, streamer = load_quantized_streamed(
+                reader, qblocks, plan.residency, device=device, dtype=dtype,
+                nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1))
+        else:
+            model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
+                                            nvme_ahead=args.nvme_ahead,
+                                            progress=lambda i: bar.update(1))
     stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
     try:
         links = _probe_stream(args, streamer, links, measured)
         if args.interactive:
             return _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop)
         all_ids, texts, results = _generate_batches(args, model, tokenizer, streamer, batches,
-                                                    sampling, stop, device, dtype)
+                                                    sampling, stop, device, dtype, plan.kv_tier)
     finally:
         streamer.close()
     metrics = _metrics(results, plan, links, device, len(batches[0]))
@@ -284,19 +386,30 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
     return 0
 
 
-def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget, cpu_budget):
-    """The placement for this model, batch and context under the budgets (and what is free)."""
+def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget, cpu_budget,
+          quant=None):
+    """The placement for this model, batch and context under the budgets (and what is free).
+    Quantized blocks are planned at their quantized bytes, stored and streamed as they are."""
     L, item = cfg.num_hidden_layers, dtype.itemsize
-    block = num_block_params(cfg) * item
-    stored = ([sum(loc.nbytes for loc in reader.block_locations(i)) for i in range(L)] if reader
-              else [block] * L)
-    stored_dtype = reader.block_locations(0)[0].dtype if reader else dtype
+    if quant is not None:
+        blocks = [quantized_block_bytes(cfg, s, dtype) for s in quant[1]]
+        stored, stored_dtype = blocks, dtype
+    else:
+        blocks = [num_block_params(cfg) * item] * L
+        stored = ([sum(loc.nbytes for loc in reader.block_locations(i)) for i in range(L)] if reader
+                  else blocks)
+        stored_dtype = reader.block_locations(0)[0].dtype if reader else dtype
     host_free = host_free_bytes()
     host_budget = min(cpu_budget, host_free) if cpu_budget else host_free
-    dev_free = device_free_bytes(device)
-    dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
+    if getattr(args, "planned_gpu", False) and cpu_budget:
+        host_budget = cpu_budget  # the planned machine's RAM, not this one's
+    if getattr(args, "planned_gpu", False):
+        dev_budget = gpu_budget  # a GPU planned for, not present: its size is the flag's
+    else:
+        dev_free = device_free_bytes(device)
+        dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
     return plan_inference(
-        block_bytes=[block] * L, stored_block_bytes=stored,
+        block_bytes=blocks, stored_block_bytes=stored,
         non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item,
         batch_size=batch, context=context,
         kv_bytes_per_seq=kv_cache_bytes(cfg, 1, context, dtype),
@@ -305,16 +418,39 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
         device_budget=dev_budget if device.type == "cuda" else host_budget, host_budget=host_budget,
         device_is_host=device.type != "cuda", mode=args.mode,
         force=None if args.weights == "auto" else args.weights, nvme_ahead=args.nvme_ahead,
+        kv_tier=args.kv_cache, num_layers=L,
+        kv_positions_per_step=max(1, context - args.max_new_tokens // 2),
         staging_needed=device.type == "cuda" or stored_dtype != dtype,
-        scratch_bytes=kernels.scratch_bytes(device, dtype))
+        scratch_bytes=kernels.scratch_bytes(device, dtype) + _quant_scratch(cfg, quant, batch, context,
+                                                                            args.max_new_tokens,
+                                                                            device, dtype))
 
 
-def _probe_links(args, cfg, reader, plan, device) -> tuple[Links, bool]:
+def _quant_scratch(cfg, quant, batch: int, context: int, new_tokens: int, device, dtype) -> int:
+    """The quantized matmul's transient bytes (offload/quant.py workspace_bytes) for the widest
+    projection at the prefill's rows: dequantized chunks, padded inputs, transposed outputs."""
+    if quant is None:
+        return 0
+    rows = batch * max(1, context - new_tokens)
+    shapes = block_parameter_shapes(cfg)
+    return max(quant_workspace_bytes(shapes[f"{proj}.weight"][0], shapes[f"{proj}.weight"][1], spec,
+                                     rows, device, dtype)
+               for layer in quant[1] for proj, spec in layer.items())
+
+
+def _probe_links(args, cfg, reader, plan, device, qblocks=None) -> tuple[Links, bool]:
     """The links' bandwidths, the disk probed on the bytes that will stream (NVMe-resident
-    blocks) when there are any; and whether the disk could be measured."""
+    blocks: the quantized block files when there are some) when there are any; and whether the
+    disk could be measured."""
+    if getattr(args, "planned_gpu", False):  # no GPU here: neither link can be measured for it
+        return Links(float("nan"), float("nan"), False), False
     shards = sorted({loc.path for loc in reader.locations.values()}) if reader else []
-    streamed = [(loc.path, loc.offset, loc.nbytes) for i in range(cfg.num_hidden_layers)
-                if plan.residency[i] == "nvme" for loc in reader.block_locations(i)] if reader else []
+    if qblocks is not None:
+        streamed = [(r.path, r.offset, r.nbytes) for i in range(cfg.num_hidden_layers)
+                    if plan.residency[i] == "nvme" for r in qblocks.ranges(i)]
+    else:
+        streamed = [(loc.path, loc.offset, loc.nbytes) for i in range(cfg.num_hidden_layers)
+                    if plan.residency[i] == "nvme" for loc in reader.block_locations(i)] if reader else []
     links = measure_links(device, shards, seconds=args.probe_seconds, read_ranges=streamed or None)
     measured = links.disk_gbps > 0
     if not measured:  # nothing to probe yet (a dry run before a preset's weights exist)
@@ -338,7 +474,8 @@ def _probe_stream(args, streamer, links: Links, measured: bool) -> Links:
     return Links(links.h2d_gbps, gbps, links.disk_direct)
 
 
-def _generate_batches(args, model, tokenizer, streamer, batches, sampling, stop, device, dtype):
+def _generate_batches(args, model, tokenizer, streamer, batches, sampling, stop, device, dtype,
+                      kv_tier: str = "device"):
     """Generate for each batch of prompts, streaming a single prompt's tokens to stdout and
     printing a batch's rows when done: (all token ids, texts, GenerationResults)."""
     all_ids, texts, results = [], [], []
@@ -354,7 +491,7 @@ def _generate_batches(args, model, tokenizer, streamer, batches, sampling, stop,
 
         res = generate(model, rows, max_new_tokens=args.max_new_tokens, sampling=sampling,
                        stop_ids=stop, device=device, dtype=dtype, streamer=streamer,
-                       on_tokens=on_tokens)
+                       on_tokens=on_tokens, kv_tier=kv_tier)
         results.append(res)
         all_ids += res.tokens
         if decoders:
@@ -410,7 +547,9 @@ def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop
 
 def _plan_json(plan) -> dict:
     return {"residency": plan.residency, "device_need": plan.device_need, "host_need": plan.host_need,
-            "block_bytes": plan.block_bytes, "kv_bytes": plan.kv_bytes, "mode": plan.mode}
+            "block_bytes": plan.block_bytes, "kv_bytes": plan.kv_bytes, "mode": plan.mode,
+            "kv_tier": plan.kv_tier, "max_batch": plan.max_batch,
+            "max_batch_device_kv": plan.max_batch_device_kv}
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -435,7 +574,7 @@ def _metrics(results, plan, links, device, batch) -> dict:
     dec_tok = sum(r.decode_tokens for r in results)
     dec_s = sum(r.decode_s for r in results)
     steps = sum(r.decode_steps for r in results)
-    moved = {"h2d": 0, "disk": 0}
+    moved = {"h2d": sum(r.kv_h2d_bytes for r in results), "disk": 0}
     wait_s = 0.0
     for r in results:
         if r.decode_stream is not None:

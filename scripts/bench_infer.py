@@ -10,7 +10,11 @@ into --dir when it holds no checkpoint):
     streamer gets reading exactly those bytes with no compute, measured just before and just
     after the decode runs (the faster of the two: the stricter floor), and % of that floor;
     a full O_DIRECT pass over the shards is printed beside it;
-  * the start-up link probe (memcpy, a short disk read) the runner itself uses.
+  * the start-up link probe (memcpy, a short disk read) the runner itself uses;
+  * quant: the same preset stored in bf16 (computed in fp32) against its int8 and int4 blocks
+    (offload/models/quantized.py), all loaded at once and run alternately: streamed cold from
+    NVMe at batch 1 (bytes per token, decode tok/s, % of each one's own floor: the disk rate the
+    streamer gets on exactly its bytes) and resident in RAM (decode tok/s at batch 1 and 8).
 
 Usage: python scripts/bench_infer.py --dir /tmp/offload-bench/1B-fp32 --new-tokens 8
 """
@@ -139,6 +143,89 @@ def bench_nvme(reader, shards: list[str], batches: list[int], args) -> list[dict
     return rows
 
 
+def bench_quant(args) -> list[dict]:
+    from offload.models.quantized import (QuantSettings, cache_key, checkpoint_source, convert_blocks,
+                                          load_quantized_streamed, projection_specs, source_identity)
+    cfg = preset(args.preset)
+    path = os.path.join(os.path.dirname(os.path.abspath(args.dir)), f"{args.preset}-bf16")
+    random_checkpoint(cfg, path, 0, torch.bfloat16)
+    L = cfg.num_hidden_layers
+    rows = []
+    with CheckpointReader(path) as reader:
+        files = sorted({loc.path for loc in reader.locations.values()})
+        blocks = {}
+        for mode in ("int8", "int4"):
+            settings = QuantSettings(mode)
+            key = cache_key(source_identity(files, cfg), settings, torch.float32)
+            blocks[mode] = convert_blocks(os.path.join(path, "quant", key), key, cfg,
+                                          projection_specs(cfg, settings), torch.float32,
+                                          checkpoint_source(reader, torch.float32))
+
+        def load(variant: str, tier: str):
+            if variant == "bf16":
+                return load_streamed(reader, [tier] * L, device="cpu", dtype=torch.float32,
+                                     nvme_ahead=args.nvme_ahead)
+            return load_quantized_streamed(reader, blocks[variant], [tier] * L, device="cpu",
+                                           dtype=torch.float32, nvme_ahead=args.nvme_ahead)
+
+        for tier, batches in (("nvme", [1]), ("cpu", [1, 8])):
+            loaded = {v: load(v, tier) for v in ("bf16", "int8", "int4")}
+            floor_gbps = {}
+            try:
+                for v, (model, streamer) in loaded.items():  # warm-up: allocations, thread pools
+                    generate(model, prompts_for(1, args.prompt_len, cfg.vocab_size), max_new_tokens=2,
+                             streamer=streamer)
+                    if tier == "nvme":
+                        floor_gbps[v] = stream_read_gbps(streamer)
+                for b in batches:
+                    got: dict[str, list] = {v: [] for v in loaded}
+                    for k in range(args.rounds):
+                        order = list(loaded) if k % 2 == 0 else list(loaded)[::-1]
+                        for v in order:
+                            model, streamer = loaded[v]
+                            if tier == "nvme":
+                                drop_caches()
+                            res = generate(model, prompts_for(b, args.prompt_len, cfg.vocab_size),
+                                           max_new_tokens=args.new_tokens, streamer=streamer)
+                            got[v].append((res.decode_tokens / res.decode_s,
+                                           res.decode_stream.moved_bytes["disk"] / res.decode_steps,
+                                           res.tokens))
+                    base = statistics.median(r[0] for r in got["bf16"])
+                    for v, runs in got.items():
+                        tok_s = statistics.median(r[0] for r in runs)
+                        row = {"variant": v, "tier": tier, "batch": b, "decode_tok_s": tok_s,
+                               "runs_tok_s": [r[0] for r in runs], "vs_bf16": tok_s / base,
+                               "disk_bytes_per_step": runs[-1][1],
+                               "block_bytes": sum(loaded[v][1].block_bytes(i) for i in range(L))}
+                        if tier == "nvme":
+                            row["disk_gbps"] = floor_gbps[v]
+                            row["floor_s_per_step"] = row["disk_bytes_per_step"] / (floor_gbps[v] * 1e9)
+                            row["pct_of_floor"] = 100 * row["floor_s_per_step"] * tok_s / b
+                        rows.append(row)
+                        print(json.dumps(row), file=sys.stderr, flush=True)
+            finally:
+                for model, streamer in loaded.values():
+                    streamer.close()
+                del loaded
+                gc.collect()
+    return rows
+
+
+def quant_table(rows: list[dict]) -> str:
+    out = ["| weights | tier | batch | decode tok/s | vs bf16 | read per step | vs bf16 bytes | "
+           "disk GB/s (its bytes) | % of its floor |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base = {(r["tier"], r["batch"]): r["disk_bytes_per_step"] for r in rows if r["variant"] == "bf16"}
+    for r in rows:
+        nvme = r["tier"] == "nvme"
+        ratio = (f"{r['disk_bytes_per_step'] / base[(r['tier'], r['batch'])]:.2f}x"
+                 if nvme and base.get((r["tier"], r["batch"])) else "-")
+        out.append(f"| {r['variant']} | {r['tier']} | {r['batch']} | {r['decode_tok_s']:.2f} | "
+                   f"{r['vs_bf16']:.2f}x | {format_bytes(r['disk_bytes_per_step']) if nvme else '-'} | "
+                   f"{ratio} | {r.get('disk_gbps', 0):.2f} | "
+                   f"{(str(round(r['pct_of_floor'])) + '%') if nvme else '-'} |")
+    return "\n".join(out)
+
+
 class _StepClock:
     """A transformers streamer that only notes when each token arrives: put() gets the prompt
     first (just before the prefill forward), then every generated token."""
@@ -240,7 +327,8 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/offload-bench/1B-fp32")
     p.add_argument("--preset", default="1B")
     p.add_argument("--parts", default="ram,nvme,runner",
-                   help="ram (vs transformers), nvme (streamed decode), runner (its floor vs O_DIRECT)")
+                   help="ram (vs transformers), nvme (streamed decode), runner (its floor vs O_DIRECT), "
+                        "quant (bf16 vs int8 vs int4 blocks; not in the default)")
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="alternating runs per batch (ram part)")
@@ -264,6 +352,7 @@ def main() -> None:
         if "nvme" in parts:
             rows += bench_nvme(reader, shards, batches, args)
         floor = bench_runner_floor(reader, args.dir, args) if "runner" in parts else None
+    quant_rows = bench_quant(args) if "quant" in parts else []
     nv = {r["batch"]: r["decode_tok_s"] for r in rows if r["tier"] == "nvme"}
     header = (f"{args.preset} ({num_params(cfg) / 1e9:.2f}B params, fp32), {torch.get_num_threads()} "
               f"threads, CPU: {cpu_model()}, "
@@ -294,9 +383,12 @@ def main() -> None:
               f"(goal within 10%); printed "
               + (f"{pct:.0f}% of floor" if pct is not None else
                  f"disk-bound at {floor['run_disk_gbps']:.2f} GB/s (faster than the floor)"))
+    if quant_rows:
+        print(quant_table(quant_rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows, "links": vars(links)}, f, indent=1)
+            json.dump({"header": header, "rows": rows, "quant_rows": quant_rows, "links": vars(links)},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # never takes it, checkpointed forwards included: its results stay bit-identical to nn.Linear's.
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x [..., in] -> [..., out]; the same math, a faster kernel for few rows."""
+    if not isinstance(layer, nn.Linear):  # a quantized projection brings its own kernel
+        return layer(x)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     # inference mode, not merely no-grad: activation checkpointing runs training forwards under
     # no_grad, and those must compute exactly what the recompute and plain PyTorch compute
@@ -285,6 +287,10 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def written(self, i: int, start: int, end: int) -> None:
+        """Layer i wrote positions [start, end): they are where they belong already (the
+        offloaded cache, offload/kv_offload.py, copies them to the host here)."""
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
@@ -360,6 +366,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             kv = kv_cache.layer(i) if kv_cache is not None else None
             hidden = layer(hidden, cos, sin, mask, kv, start)
+            if kv_cache is not None:
+                kv_cache.written(i, start, total)  # an offloaded cache copies them back to the host
         if kv_cache is not None:
             kv_cache.length = total
         return self.norm(hidden)

@@ -1,0 +1,311 @@
+"""Quantized decoder blocks: int8 / int4 projection weights that travel as they are stored.
+
+`--quantize int8|int4` replaces the seven projections of every decoder layer by `QuantLinear`s
+whose weights are group-wise codes plus fp16 scales (offload/quant.py has the format and the
+matmul). The layers are converted once, block by block, into a cache directory of one
+4 KiB-aligned safetensors file per block (the NVMe tier's format), and reused on later runs:
+
+    <cache>/quant/<model>-<key>/block_00000.safetensors ... manifest.json
+
+`key` hashes the source's identity (config, and each weight file's name, size and mtime) and the
+settings (bits, group size, compute dtype, format version), so a changed checkpoint or setting
+converts again and never reuses stale codes. Each block file is written atomically and carries
+the key in its metadata: a conversion killed half way keeps the blocks it finished. The manifest
+(written last, atomically) lists every projection's spec and every block's bytes.
+
+A block file holds its tensors ordered by element size, widest first (fp32/16-bit norms and
+biases, fp16 scales, then the 1-byte codes), so that every tensor starts on a multiple of its
+element size and the whole block can be one uint8 buffer: the block streamer moves it as a
+*byte block* (offload/block_layout.py) from NVMe or host RAM into a device slot as it is, with
+no conversion on the way, and binds each parameter as a view of its own dtype. Embeddings, the
+final norm and the head stay in the compute dtype.
+
+A GGUF source's Q8_0 tensors (for int8) and Q4_0 / Q4_1 tensors (for int4) are taken as they
+are (`quant.from_gguf`: group size 32, the same values exactly), never round-tripped through 16
+bits; other tensors are quantized from their dequantized values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from nvme.format import FormatError, read_header, write_file, write_json_atomic
+from nvme.io import IOEngine
+from offload.block_layout import TensorRange
+from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix
+from offload.quant import QuantError, QuantSpec, from_gguf, packed_bytes, quant_linear, quantize
+
+FORMAT_VERSION = 1
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+QUANT_MODES = ("int8", "int4")
+DEFAULT_GROUP = {"int8": 0, "int4": 64}  # int8: one scale per output channel
+GGUF_TAKEN = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}  # GGUF types kept as they are
+
+
+def part_shapes(out_f: int, in_f: int, spec: QuantSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{part name: (shape, dtype)} of one quantized weight (the layout offload/quant.py makes)."""
+    groups, padded = spec.groups(in_f), spec.padded_in(in_f)
+    if spec.bits == 8:
+        return {"qweight": ((out_f, padded), torch.int8), "scales": ((out_f, groups), torch.float16)}
+    return {"qweight": ((out_f, padded // 2), torch.uint8), "scales": ((out_f, groups), torch.float16),
+            "mins": ((out_f, groups), torch.float16)}
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W kept as group-wise codes and scales (offload/quant.py). The
+    parts are parameters (requires_grad False) so that the block streamer binds them like any
+    weight; they are made on meta and given storage by the streamer."""
+
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str = "meta"):
+        super().__init__()
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.part_names = tuple(part_shapes(out_features, in_features, spec))
+        for name, (shape, dt) in part_shapes(out_features, in_features, spec).items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dt, device=device),
+                                                       requires_grad=False))
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                  requires_grad=False) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        parts = {n: getattr(self, n) for n in self.part_names}
+        return quant_linear(x, parts, self.spec, self.in_features, self.bias)
+
+    def extra_repr(self) -> str:
+        g = self.spec.group_size or self.in_features
+        return f"in={self.in_features}, out={self.out_features}, int{self.spec.bits}, group={g}"
+
+
+# ---- which projection gets which spec --------------------------------------------------------
+@dataclass(frozen=True)
+class QuantSettings:
+    """What the user asked for: `mode` int8|int4 and the group size (0: the mode's default)."""
+    mode: str
+    group_size: int = 0
+
+    def spec(self) -> QuantSpec:
+        if self.mode not in QUANT_MODES:
+            raise QuantError(f"--quantize {self.mode!r}: use one of {', '.join(QUANT_MODES)}")
+        g = self.group_size or DEFAULT_GROUP[self.mode]
+        spec = QuantSpec(bits=8 if self.mode == "int8" else 4, group_size=g)
+        spec.validate()
+        return spec
+
+
+def projection_specs(cfg: ModelConfig, settings: QuantSettings,
+                     gguf_types: dict[str, str] | None = None) -> list[dict[str, QuantSpec]]:
+    """Per layer, {projection: spec}: the asked spec, or group 32 where a GGUF source's tensor is
+    of a type this mode takes as it is (`gguf_types`: our weight name -> GGUF type name)."""
+    spec = settings.spec()
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        specs = {}
+        for proj in PROJECTIONS:
+            kind = (gguf_types or {}).get(f"{block_prefix(i)}{proj}.weight")
+            specs[proj] = QuantSpec(spec.bits, 32) if kind in GGUF_TAKEN[settings.mode] else spec
+        out.append(specs)
+    return out
+
+
+def quantized_block_bytes(cfg: ModelConfig, specs: dict[str, QuantSpec], dtype: torch.dtype) -> int:
+    """Bytes of one quantized block: the projections' parts plus the norms and biases in `dtype`."""
+    total = 0
+    for name, shape in block_parameter_shapes(cfg).items():
+        proj = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and proj in specs:
+            total += packed_bytes(shape[0], shape[1], specs[proj])
+        else:
+            total += shape[0] * dtype.itemsize
+    return total
+
+
+def quantize_layers(model: nn.Module, specs: Sequence[dict[str, QuantSpec]], dtype: torch.dtype) -> None:
+    """Replace every decoder layer's projections by QuantLinears on meta (no memory)."""
+    for layer, layer_specs in zip(model.model.layers, specs):
+        for proj, spec in layer_specs.items():
+            owner, _, attr = proj.rpartition(".")
+            parent = layer.get_submodule(owner)
+            lin = getattr(parent, attr)
+            setattr(parent, attr, QuantLinear(lin.in_features, lin.out_features, spec,
+                                              lin.bias is not None, dtype))
+
+
+# ---- conversion into the cache --------------------------------------------------------------
+def source_identity(paths: Sequence[str], config: ModelConfig) -> str:
+    """What a conversion depends on in its source: the config and each file's name/size/mtime."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps(config.to_hf(dtype="x"), sort_keys=True).encode())
+    for p in sorted(paths):
+        st = os.stat(p)
+        h.update(f"{os.path.basename(p)}/{st.st_size}/{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def cache_key(identity: str, settings: QuantSettings, dtype: torch.dtype) -> str:
+    spec = settings.spec()
+    return hashlib.blake2b(f"{identity}/{spec.bits}/{spec.group_size}/{dtype}/v{FORMAT_VERSION}".encode(),
+                           digest_size=8).hexdigest()
+
+
+def block_file(qdir: str, layer: int) -> str:
+    return os.path.join(qdir, f"block_{layer:05d}.safetensors")
+
+
+def _ordered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Widest element first, then by name: every tensor starts on a multiple of its element size."""
+    return {n: tensors[n] for n in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))}
+
+
+def quantize_block(dense: dict[str, torch.Tensor], specs: dict[str, QuantSpec], dtype: torch.dtype,
+                   taken: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """One block's file tensors (names relative to the layer) from its dense weights (`dense`,
+    names relative to the layer; a projection in `taken` already has its parts)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, w in dense.items():
+        proj = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and proj in specs:
+            try:
+                parts = quantize(w, specs[proj])
+            except QuantError as e:
+                raise QuantError(f"{proj}: {e}") from None
+            out.update({f"{proj}.{k}": v for k, v in parts.items()})
+        else:
+            out[name] = w.to(dtype).contiguous()
+    for proj, parts in (taken or {}).items():
+        out.update({f"{proj}.{k}": v.contiguous() for k, v in parts.items()})
+    return _ordered(out)
+
+
+@dataclass
+class QuantizedBlocks:
+    """A converted cache directory: where each block's file is, and each projection's spec."""
+    path: str
+    key: str
+    specs: list[dict[str, QuantSpec]]
+    block_bytes: list[int]
+
+    def ranges(self, layer: int) -> list[TensorRange]:
+        """Block `layer`'s tensors as raw byte ranges (a byte block: dtype uint8)."""
+        infos, _ = read_header(block_file(self.path, layer))
+        return [TensorRange(n, block_file(self.path, layer), t.offset, t.nbytes, torch.uint8)
+                for n, t in infos.items()]
+
+
+def _manifest(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def is_converted(path: str, key: str) -> bool:
+    """A finished conversion of this key is in `path` (convert_blocks will only read it)."""
+    m = _manifest(path)
+    return m is not None and m.get("key") == key
+
+
+def _done(path: str, layer: int, key: str) -> bool:
+    try:
+        _, meta = read_header(block_file(path, layer))
+    except (OSError, FormatError):
+        return False
+    return meta.get("key") == key
+
+
+BlockSource = Callable[[int], tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]]
+
+
+def convert_blocks(path: str, key: str, cfg: ModelConfig, specs: list[dict[str, QuantSpec]],
+                   dtype: torch.dtype, source: BlockSource,
+                   progress: Callable[[int], None] | None = None) -> QuantizedBlocks:
+    """Quantize every block not already in `path` under `key` (source(i) -> dense tensors and
+    taken parts of block i), then write the manifest. Reuses a finished conversion at once."""
+    if not is_converted(path, key):
+        os.makedirs(path, exist_ok=True)
+        for i in range(cfg.num_hidden_layers):
+            if not _done(path, i, key):
+                dense, taken = source(i)
+                write_file(block_file(path, i), quantize_block(dense, specs[i], dtype, taken),
+                           metadata={"key": key, "layer": str(i)})
+            if progress is not None:
+                progress(i)
+        sizes = [sum(t.nbytes for t in read_header(block_file(path, i))[0].values())
+                 for i in range(cfg.num_hidden_layers)]
+        write_json_atomic(os.path.join(path, "manifest.json"), {
+            "key": key, "format": FORMAT_VERSION, "dtype": str(dtype).replace("torch.", ""),
+            "block_bytes": sizes,
+            "specs": [{p: [s.bits, s.group_size] for p, s in layer.items()} for layer in specs]})
+    m = _manifest(path)
+    specs_read = [{p: QuantSpec(b, g) for p, (b, g) in layer.items()} for layer in m["specs"]]
+    return QuantizedBlocks(path, key, specs_read, list(m["block_bytes"]))
+
+
+def checkpoint_source(reader, dtype: torch.dtype) -> BlockSource:
+    """Dense fp32 block tensors read from a CheckpointReader (nothing taken as it is)."""
+    def source(i: int):
+        shapes = block_parameter_shapes(reader.config)
+        dense = {n: torch.empty(s, dtype=torch.float32) for n, s in shapes.items()}
+        reader.read_block_into(i, {block_prefix(i) + n: t for n, t in dense.items()})
+        return dense, {}
+    return source
+
+
+def gguf_source(gguf_reader, settings: QuantSettings) -> BlockSource:
+    """Block tensors of a GGUFReader: projections whose GGUF type this mode keeps are taken as
+    they are (rows put back in Hugging Face order); the rest dequantized to fp32."""
+    def source(i: int):
+        cfg = gguf_reader.config
+        dense, taken = {}, {}
+        for n in block_parameter_shapes(cfg):
+            full = block_prefix(i) + n
+            t = gguf_reader.tensors[full]
+            proj = n.rsplit(".", 1)[0]
+            if n.endswith(".weight") and proj in PROJECTIONS and t.tensor_type.name in GGUF_TAKEN[settings.mode]:
+                shape = tuple(int(d) for d in reversed(list(t.shape)))
+                _, parts = from_gguf(t.tensor_type.name, t.data, shape)
+                taken[proj] = {k: torch.from_numpy(gguf_reader._unpermute(full, v.numpy()).copy())
+                               for k, v in parts.items()}
+            else:
+                dense[n] = gguf_reader.read(full, torch.float32)
+        return dense, taken
+    return source
+
+
+def gguf_types(gguf_reader) -> dict[str, str]:
+    return {name: t.tensor_type.name for name, t in gguf_reader.tensors.items()}
+
+
+def quantized_dir(cache_root: str, model_name: str, key: str) -> str:
+    stem = os.path.basename(os.path.normpath(model_name)).split(".gguf")[0] or "model"
+    return os.path.join(cache_root, "quant", f"{stem}-{key}")
+
+
+def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence[str], *,
+                            device: torch.device | str, dtype: torch.dtype, host_ahead: int = 1,
+                            nvme_ahead: int = 2, io: IOEngine | None = None,
+                            zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
+                            progress: Callable[[int], None] | None = None):
+    """(model, attached streamer): non-block weights from `reader` in `dtype` on the device, the
+    quantized blocks streamed as byte blocks from `blocks`' files per `residency`."""
+    from offload.models.llama import build_model, materialize_non_block
+    from offload.stream import BlockStreamer
+
+    model = build_model(reader.config, "meta", dtype)
+    quantize_layers(model, blocks.specs, dtype)
+    materialize_non_block(model, device, dtype, reader)
+    files = [blocks.ranges(i) for i in range(reader.config.num_hidden_layers)]
+    streamer = BlockStreamer(model.model.layers, residency, device=device, dtype=torch.uint8,
+                             files=files, host_ahead=host_ahead, nvme_ahead=nvme_ahead, io=io,
+                             zero_copy_host=zero_copy_host, fetch_delay_s=fetch_delay_s,
+                             progress=progress)
+    return model, streamer.attach()
+

@@ -1,0 +1,149 @@
+"""Quality of the quantized blocks on a real model: perplexity and teacher-forced top-1 agreement
+of int8 / int4 against the unquantized model, on real text.
+
+    python scripts/eval_quant.py                       # SmolLM2-135M-Instruct (fetched once), 8 x 256 tokens
+    python scripts/eval_quant.py --seqs 32 --seq-len 512 --text corpus
+
+The reference ("16-bit") is the model in the compute dtype (fp32 here) as the checkpoint holds it;
+SmolLM2's file is itself Q4_1, so its reference is those values dequantized, and "int4 (GGUF as
+is)" -- the Q4_1 tensors taken without a round trip -- must match the reference up to the
+rounding of a different matmul. The text: Python's own reference documentation (pydoc_data,
+shipped with every CPython: real English prose with code) or the built-in corpus
+(offload/data/corpus.txt, generated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+from offload.models import CheckpointReader, gguf_checkpoint_dir, load_model  # noqa: E402
+from offload.models.gguf import GGUFReader  # noqa: E402
+from offload.models.quantized import (QuantSettings, cache_key, checkpoint_source,  # noqa: E402
+                                      convert_blocks, gguf_source, gguf_types,
+                                      load_quantized_streamed, projection_specs, source_identity)
+from offload.tokenizer import load_tokenizer  # noqa: E402
+
+# (label, mode, group size, take GGUF tensors as they are)
+VARIANTS = [("int8", "int8", 0, False), ("int4 g64", "int4", 64, False),
+            ("int4 g32", "int4", 32, False), ("int4 (GGUF as is)", "int4", 0, True)]
+
+
+def real_text(kind: str) -> str:
+    if kind == "corpus":
+        with open(os.path.join(_ROOT, "offload", "data", "corpus.txt")) as f:
+            return f.read()
+    from pydoc_data.topics import topics  # the Python reference manual's text, in the stdlib
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def token_rows(tokenizer, text: str, seqs: int, seq_len: int) -> torch.Tensor:
+    """[seqs, seq_len] token ids: consecutive windows of the text (a long prefix is enough)."""
+    ids = tokenizer.encode(text[: seqs * seq_len * 8])
+    if len(ids) < seqs * seq_len:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {seqs} x {seq_len}")
+    return torch.tensor(ids[: seqs * seq_len]).view(seqs, seq_len)
+
+
+@torch.inference_mode()
+def teacher_forced(model, rows: torch.Tensor, batch: int = 2) -> tuple[float, int, torch.Tensor]:
+    """(summed next-token NLL, tokens scored, argmax predictions [seqs, seq_len - 1])."""
+    nll, count, preds = 0.0, 0, []
+    for k in range(0, rows.shape[0], batch):
+        ids = rows[k:k + batch]  # [b, T]
+        logits = model(ids).float()  # [b, T, V]
+        tgt = ids[:, 1:]
+        nll += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                               reduction="sum").item()
+        count += tgt.numel()
+        preds.append(logits[:, :-1].argmax(-1))
+    return nll, count, torch.cat(preds)
+
+
+def quantized_model(hf_dir: str, gguf_path: str | None, mode: str, group: int, workdir: str,
+                    dtype: torch.dtype = torch.float32):
+    """(model, streamer, block bytes): the quantized model, every block resident."""
+    settings = QuantSettings(mode, group)
+    reader = CheckpointReader(hf_dir)
+    cfg = reader.config
+    g = GGUFReader(gguf_path) if gguf_path else None
+    try:
+        files = [gguf_path] if g else sorted({loc.path for loc in reader.locations.values()})
+        key = cache_key(source_identity(files, cfg), settings, dtype)
+        specs = projection_specs(cfg, settings, gguf_types(g) if g else None)
+        source = gguf_source(g, settings) if g else checkpoint_source(reader, dtype)
+        blocks = convert_blocks(os.path.join(workdir, key), key, cfg, specs, dtype, source)
+    finally:
+        if g is not None:
+            g.close()
+    model, streamer = load_quantized_streamed(reader, blocks, ["device"] * cfg.num_hidden_layers,
+                                              device="cpu", dtype=dtype)
+    return model, streamer, reader, sum(blocks.block_bytes)
+
+
+def evaluate(hf_dir: str, gguf_path: str | None, rows: torch.Tensor, workdir: str,
+             variants=VARIANTS) -> list[dict]:
+    """One row per model: label, perplexity, ratio to the reference, top-1 agreement, block bytes."""
+    ref = load_model(hf_dir)
+    nll, count, ref_pred = teacher_forced(ref, rows)
+    ref_bytes = sum(p.numel() * p.element_size() for p in ref.model.layers.parameters())
+    del ref
+    base = math.exp(nll / count)
+    out = [{"label": "reference (fp32)", "ppl": base, "ratio": 1.0, "top1": 1.0, "block_bytes": ref_bytes}]
+    for label, mode, group, as_is in variants:
+        if as_is and gguf_path is None:
+            continue
+        model, streamer, reader, nbytes = quantized_model(hf_dir, gguf_path if as_is else None, mode,
+                                                          group, workdir)
+        try:
+            q_nll, _, pred = teacher_forced(model, rows)
+        finally:
+            streamer.close()
+            reader.close()
+        ppl = math.exp(q_nll / count)
+        out.append({"label": label, "ppl": ppl, "ratio": ppl / base,
+                    "top1": (pred == ref_pred).float().mean().item(), "block_bytes": nbytes})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a .gguf file or checkpoint directory "
+                    "(default: SmolLM2-135M-Instruct, fetched once)")
+    ap.add_argument("--text", default="pydoc", choices=["pydoc", "corpus"])
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        sys.path.insert(0, os.path.join(_ROOT, "scripts"))
+        from fetch_smollm2 import fetch
+        model = fetch(quiet=True)
+    gguf_path = model if os.path.isfile(model) else None
+    hf_dir = gguf_checkpoint_dir(model, torch.float32) if gguf_path else model
+    tok = load_tokenizer(hf_dir)
+    rows = token_rows(tok, real_text(args.text), args.seqs, args.seq_len)
+    import platform
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    print(f"# {os.path.basename(model)}, text {args.text}, {args.seqs} x {args.seq_len} tokens, CPU {cpu}")
+    with tempfile.TemporaryDirectory() as work:
+        results = evaluate(hf_dir, gguf_path, rows, work)
+    print(f"{'model':<20} {'perplexity':>10} {'vs ref':>8} {'top-1 agree':>12} {'block bytes':>12}")
+    for r in results:
+        print(f"{r['label']:<20} {r['ppl']:>10.3f} {r['ratio']:>8.4f} {100 * r['top1']:>11.2f}% "
+              f"{r['block_bytes'] / 1e6:>10.1f}MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
