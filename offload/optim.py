@@ -45,13 +45,7 @@ of twice; that is the engine's choice, not a difference in this step.)
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
@@ -59,6 +53,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+
+from offload import cbuild
+from offload.cbuild import find_compiler
 
 __all__ = ["cpu_adamw_step", "adamw_coefficients", "AdamWCoefficients", "kernel_available",
            "kernel_status", "active_implementation", "find_compiler", "BYTES_PER_PARAM_16BIT"]
@@ -92,9 +89,6 @@ _BASE_CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread",
                 # upcast unconditionally (without it every fp16-grad loop stayed scalar: 0.2 vs
                 # 1.8 Gparam/s). torch builds its own kernels with both.
                 "-fno-math-errno", "-fno-trapping-math"]
-# Tried in order; the first that compiles and passes the self-check wins. "native" binaries are
-# only reused on the CPU they were built for (the cache key includes the CPU identity).
-_ARCH_FLAG_SETS: list[list[str]] = [["-march=native"], ["-mcpu=native"], []]
 
 
 @dataclass(frozen=True)
@@ -138,54 +132,6 @@ def adamw_coefficients(*, step: int, lr: float, beta1: float, beta2: float, eps:
 
 _kernel_lock = threading.Lock()
 _kernel_state: dict[str, object] = {}   # "fn": ctypes function or None once tried; "why": str
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("OFFLOAD_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "offload" / "kernels"
-
-
-def _cpu_identity() -> str:
-    """What a -march=native binary depends on: the CPU's model and feature flags."""
-    parts = [platform.machine(), platform.processor()]
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip()
-                if key in ("model name", "flags", "Features", "CPU implementer", "CPU part"):
-                    parts.append(line.strip())
-                if line.strip() == "":      # the first processor's block is enough
-                    break
-    except OSError:
-        pass
-    return "\n".join(parts)
-
-
-def find_compiler() -> str | None:
-    """The C compiler the kernel would be built with: $CC, else cc, gcc or clang on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _compile(compiler: str, arch_flags: list[str], out_path: Path) -> None:
-    # Build under a unique temporary name and rename into place: concurrent processes (several
-    # ranks, pytest-xdist) may build the same key at once, and rename is atomic.
-    fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *_BASE_CFLAGS, *arch_flags, str(_SOURCE), "-o", tmp, "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class _Kernel:
@@ -236,48 +182,7 @@ def _build_kernel(arch_flag_sets: list[list[str]] | None = None,
                   cache: Path | None = None) -> tuple[object | None, str]:
     """Compile (or reuse from the on-disk cache) and self-check the kernel: (ctypes fn, why).
     The arguments exist for tests (e.g. to build the portable, no-arch-flags variant)."""
-    compiler = find_compiler()
-    if compiler is None:
-        return None, "no C compiler (cc/gcc/clang or $CC) on PATH"
-    if not _SOURCE.is_file():
-        return None, f"kernel source {_SOURCE} is missing"
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        version = repr(exc)
-    source = _SOURCE.read_bytes()
-    cache = cache or _cache_dir()
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError:  # read-only home: a per-user temp dir still saves the rebuild per process
-        cache = Path(tempfile.gettempdir()) / f"offload-kernels-{getattr(os, 'getuid', lambda: 0)()}"
-        cache.mkdir(parents=True, exist_ok=True)
-    why = ""
-    for arch in _ARCH_FLAG_SETS if arch_flag_sets is None else arch_flag_sets:
-        key = hashlib.sha256(b"\0".join(
-            [source, version.encode(), " ".join(_BASE_CFLAGS + arch).encode(),
-             _cpu_identity().encode(), sys.platform.encode()])).hexdigest()[:20]
-        path = cache / f"cpu_adamw-{key}.so"
-        try:
-            if path.exists():
-                try:
-                    candidate = _bind(path)
-                except OSError:      # unreadable leftover: rebuild it once
-                    path.unlink()
-                    _compile(compiler, arch, path)
-                    candidate = _bind(path)
-            else:
-                _compile(compiler, arch, path)
-                candidate = _bind(path)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            why = f"build with {arch or 'no arch flags'}: {exc}"
-            continue
-        problem = _self_check(candidate)
-        if problem is None:
-            return candidate, f"C kernel {path}"
-        why = f"{path}: {problem}"
-    return None, why
+    return cbuild.build("cpu_adamw", _SOURCE, _BASE_CFLAGS, _bind, _self_check, arch_flag_sets, cache)
 
 
 def _load_kernel():

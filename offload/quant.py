@@ -40,7 +40,11 @@ ms for the 1B Llama shapes 2048x2048 / 8192x2048 / 2048x8192, cold weights):
   is (q - 8) * scale + zero with bf16 scale and zero (zero = min + 8 scale): not our values
   exactly either. Measured by the benchmark, not used here.
 - "dense": F.linear(x, dequantize(...)), the reference; 2.5-9x slower (a fresh fp32 copy of W).
-$OFFLOAD_QUANT_KERNEL=dense|chunked|fused forces a kernel (fused only where it applies).
+- "c": for 1-2 (int8) or 1-8 (int4) rows on the CPU, a C loop that reads each code byte once
+  (offload/quant_cpu.py): the decode case, where the chunked kernel's passes over every element
+  cost more than the dense product does (1 row, int4: 4.3-4.7 ms vs 8.5-8.9 chunked, 4.6-6.4
+  dense fp32 for the 1B shapes). Taken whenever it applies and was built.
+$OFFLOAD_QUANT_KERNEL=dense|chunked|fused|c forces a kernel (fused and c only where they apply).
 """
 
 from __future__ import annotations
@@ -53,13 +57,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from offload import quant_cpu
+
 FUSED_ROWS_MAX = 16  # fused vs chunked, bf16 x, 1B shapes: 16 rows 2.7/10.6/9.0 vs 3.5/12.6/11.0 ms; 32: slower
 CPU_CHUNK_BYTES = 4 << 20  # float32 chunk, <= MANY_ROWS rows: 1 row 1.5x faster than 1 or 16 MiB
 CPU_CHUNK_BYTES_MANY_ROWS = 16 << 20  # wider chunks for the GEMM: 256 rows -15% to +3% vs 4 MiB
 MANY_ROWS = 32
 CUDA_CHUNK_BYTES = 64 << 20  # a few kernel launches per weight, a bounded transient
 QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # rows quantized per step: ~16 MB per float32 temporary
-KERNELS = ("dense", "chunked", "fused")
+KERNELS = ("dense", "chunked", "fused", "c")
 _GGUF_BLOCK = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 values
 
 
@@ -220,7 +226,7 @@ def _override() -> str | None:
     if value in ("", "auto"):
         return None
     if value not in KERNELS:
-        raise QuantError(f"OFFLOAD_QUANT_KERNEL={value!r}: use dense, chunked, fused or auto")
+        raise QuantError(f"OFFLOAD_QUANT_KERNEL={value!r}: use dense, chunked, fused, c or auto")
     return value
 
 
@@ -240,6 +246,9 @@ def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor) -> str:
         return "dense"
     if forced == "fused" or (forced is None and fused and x2d.shape[0] <= FUSED_ROWS_MAX):
         return "fused" if fused else "chunked"
+    if forced in (None, "c") and quant_cpu.applies(spec.bits, x2d.shape[0], in_features,
+                                                    spec.padded_in(in_features) // spec.groups(in_features), x2d):
+        return "c"
     return "chunked"
 
 
@@ -335,7 +344,9 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
     x2d = x.reshape(-1, in_features)
     if kernel is None:  # autograd cannot go through the chunks' out= products
         kernel = "dense" if torch.is_grad_enabled() and x.requires_grad else kernel_for(spec, in_features, x2d)
-    elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d)):
+    elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d)) or (
+            kernel == "c" and not quant_cpu.applies(spec.bits, x2d.shape[0], in_features,
+                                                    spec.padded_in(in_features) // spec.groups(in_features), x2d)):
         raise QuantError(f"kernel={kernel!r}: use dense or chunked (fused: per-channel int8, bf16 x "
                          f"on the CPU, in_features % 8 == 0)")
     cdt = torch.float32 if x.device.type == "cpu" else x.dtype
@@ -345,6 +356,8 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
         y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), qw.contiguous(), sc.reshape(-1).to(x.dtype))
     elif kernel == "dense":
         y = F.linear(x2d.to(cdt), dequantize(parts, spec, in_features, cdt))
+    elif kernel == "c":
+        y = quant_cpu.rows_product(x2d, parts, spec, in_features)
     else:
         y = _chunked(x2d.to(cdt), qw, sc, mn, spec, in_features)
     if bias is not None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from offload import quant
+from offload import quant, quant_cpu
 from offload.quant import (QuantError, QuantSpec, dequantize, from_gguf, fused_applies, kernel_for,
                            packed_bytes, quant_linear, quantize)
 
@@ -282,6 +282,8 @@ def test_every_kernel_equals_x_times_dequantized_weight(spec, rows, dtype, monke
     bound = x.double().abs() @ deq.abs().T + bias.double().abs()
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6
     kernels = ["dense", "chunked"] + (["fused"] if fused_applies(spec, in_f, x) else [])
+    if quant_cpu.applies(spec.bits, rows, in_f, spec.padded_in(in_f) // spec.groups(in_f), x):
+        kernels.append("c")
     assert ("fused" in kernels) == (spec.bits == 8 and spec.group_size == 0 and dtype == torch.bfloat16)
     for kernel in kernels + [None]:
         y = quant_linear(x, parts, spec, in_f, bias, kernel=kernel)
@@ -335,3 +337,28 @@ def test_odd_widths_empty_batches_and_autograd():
     x = torch.randn(3, 36, requires_grad=True)
     quant_linear(x, parts, spec, 36).sum().backward()
     assert torch.allclose(x.grad, deq.sum(0).expand(3, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 64), QuantSpec(4, 32)],
+                         ids=lambda sp: f"int{sp.bits}g{sp.group_size}")
+def test_c_rows_kernel_split_over_threads(spec):
+    """The C few-row kernel (offload/quant_cpu.py) on a weight big enough to be split over
+    threads: equal to x @ dequantize(W)^T to float rounding, and the same bits however many
+    threads share the rows; the kernel choice takes it for decode-sized inputs only."""
+    if quant_cpu.library() is None:
+        pytest.skip(f"C kernel unavailable: {quant_cpu.status()}")
+    gen = torch.Generator().manual_seed(spec.bits + spec.group_size)
+    out_f, in_f = 1030, 300  # odd sizes: a padded last group, an uneven split
+    parts = quantize(torch.randn(out_f, in_f, generator=gen), spec)
+    deq = dequantize(parts, spec, in_f, torch.float64)
+    for rows in range(1, quant_cpu.ROWS_MAX[spec.bits] + 1):
+        x = torch.randn(rows, in_f, generator=gen)
+        assert kernel_for(spec, in_f, x) == "c"
+        ref = x.double() @ deq.T
+        one = quant_cpu._run(quant_cpu.library(), x, parts, spec, in_f, threads=1)
+        two = quant_cpu._run(quant_cpu.library(), x, parts, spec, in_f, threads=2)
+        assert torch.equal(one, two)
+        err = ((two.double() - ref).abs() / (x.double().abs() @ deq.abs().T)).max().item()
+        assert err < 1e-5, (rows, err)
+    x = torch.randn(quant_cpu.ROWS_MAX[spec.bits] + 1, in_f, generator=gen)
+    assert kernel_for(spec, in_f, x) == "chunked"
