@@ -89,13 +89,16 @@ def applies(bits: int, rows: int, in_features: int, group: int, x: torch.Tensor)
             and (bits == 8 or group <= MAX_GROUP) and library() is not None)
 
 
-def _helpers(threads: int) -> ThreadPoolExecutor:
+def helper_pool(threads: int) -> ThreadPoolExecutor:
+    """threads - 1 helper threads for a product split over the cores (the calling thread runs
+    one part itself); made once, remade if the count changes. Shared by this kernel and
+    offload/models/kernels.py's split projection."""
     global _pool, _pool_threads
     with _pool_lock:
         if _pool is None or _pool_threads != threads:
             if _pool is not None:
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="offload-qgemv")
+            _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="offload-gemv")
             _pool_threads = threads
         return _pool
 
@@ -135,7 +138,7 @@ def _run(lib: _Lib, x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_
     n = max(1, min(threads, out_f // 256 or 1))  # small weights: the hand-off costs more
     step = -(-out_f // n)
     bounds = [(a, min(a + step, out_f)) for a in range(0, out_f, step)]
-    futures = [_helpers(n).submit(part, a, b) for a, b in bounds[1:]] if n > 1 else []
+    futures = [helper_pool(n).submit(part, a, b) for a, b in bounds[1:]] if n > 1 else []
     rcs = [part(*bounds[0])] + [f.result() for f in futures]
     if any(rcs):
         raise RuntimeError(f"quant_gemv rejected its arguments ({rcs}): rows {rows}, group {g}")

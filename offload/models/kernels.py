@@ -33,10 +33,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
+
+from offload.quant_cpu import helper_pool
 
 SMALL_ROWS_MAX = 32  # beyond this, x @ W^T is the efficient GEMM on every machine measured
 PROBE_BYTES = 64 << 20  # weight bytes read per timed call: beyond any L3 cache of these CPUs
@@ -48,9 +49,6 @@ MIN_MEASURED_BYTES = 1 << 20  # smaller weights keep F.linear unmeasured
 _choice: dict[tuple[int, int, int], str] = {}  # (out, in, rows) -> kernel name
 _timings: dict[tuple[int, int, int], dict[str, float]] = {}  # -> {kernel: best seconds}
 _lock = threading.Lock()  # held while a shape is measured
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None  # the split kernel's helper threads (threads - 1)
-_pool_threads = 0
 
 
 def override() -> str | None:
@@ -110,18 +108,6 @@ def run(kernel: str, weight: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     return F.linear(x2d, weight)
 
 
-def _helpers(threads: int) -> ThreadPoolExecutor:
-    """The split kernel's threads-1 helper threads (made once, remade if the count changes)."""
-    global _pool, _pool_threads
-    with _pool_lock:
-        if _pool is None or _pool_threads != threads:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="offload-gemv")
-            _pool_threads = threads
-        return _pool
-
-
 def _part(x2d: torch.Tensor, weight_rows: torch.Tensor, out: torch.Tensor) -> None:
     # inference mode is per thread: the caller's does not reach a helper thread, and the
     # output (an inference tensor when the caller is in inference mode) is written under it
@@ -135,7 +121,7 @@ def _split(weight: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     n = torch.get_num_threads()
     if n < 2:
         return F.linear(x2d, weight)
-    pool = _helpers(n)
+    pool = helper_pool(n)  # threads - 1 helpers, shared with the quantized kernel
     out_f = weight.shape[0]
     out = torch.empty(x2d.shape[0], out_f, dtype=x2d.dtype, device=x2d.device)  # [rows, out]
     step = -(-out_f // n)  # rows of W per part
