@@ -33,11 +33,9 @@ from offload.models import (PRESETS, CheckpointReader, ModelConfig, block_parame
 from offload.planner import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
 from offload.models import kernels, load_streamed
-from offload.models.quantized import (QuantizedBlocks, QuantSettings, cache_key, checkpoint_source,
-                                      convert_blocks, gguf_source, gguf_types, is_converted,
-                                      load_quantized_streamed,
-                                      projection_specs, quantized_block_bytes, quantized_dir,
-                                      source_identity)
+from offload.models.quantized import (QuantizedBlocks, QuantSettings, gguf_types,
+                                      load_quantized_streamed, projection_specs,
+                                      quantize_checkpoint, quantized_block_bytes)
 from offload.quant import QuantError, workspace_bytes as quant_workspace_bytes
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
@@ -301,33 +299,29 @@ def _quant_source(args, cfg: ModelConfig, reader, dtype: torch.dtype):
 def _convert_quantized(args, cfg, reader, dtype, quant) -> QuantizedBlocks:
     """The quantized blocks in the cache, converted now unless a finished conversion of the
     same source and settings is there."""
-    settings, specs, gguf_path = quant
-    src_files = [gguf_path] if gguf_path else sorted({loc.path for loc in reader.locations.values()})
-    key = cache_key(source_identity(src_files, cfg), settings, dtype)
+    settings, _specs, gguf_path = quant
     root = os.path.abspath(os.path.expanduser(args.offload_dir or os.path.join("~", ".cache", "offload")))
-    qdir = quantized_dir(root, gguf_path or args.model, key)
-    writable_dir(os.path.dirname(qdir), "--offload-dir")
-    need = sum(quantized_block_bytes(cfg, s, dtype) for s in specs)
-    if not os.path.isfile(os.path.join(qdir, "manifest.json")) and need > disk_free_bytes(os.path.dirname(qdir)):
-        raise RunnerError(f"the {args.quantize} blocks need {format_bytes(need)} on disk, "
-                          f"{format_bytes(disk_free_bytes(os.path.dirname(qdir)))} free at {qdir}; "
-                          f"use --offload-dir elsewhere")
-    g = None
+    writable_dir(os.path.join(root, "quant"), "--offload-dir")
+    bar = None
+
+    def check_disk(qdir: str, need: int) -> None:
+        nonlocal bar
+        free = disk_free_bytes(os.path.dirname(qdir))
+        if need > free:
+            raise RunnerError(f"the {args.quantize} blocks need {format_bytes(need)} on disk, "
+                              f"{format_bytes(free)} free at {qdir}; use --offload-dir elsewhere")
+        bar = tqdm(total=cfg.num_hidden_layers, desc=f"blocks to {args.quantize} (once)",
+                   unit="block", file=sys.stderr)
+
     try:
-        if gguf_path is not None:
-            from offload.models.gguf import GGUFReader
-            g = GGUFReader(gguf_path)
-        source = gguf_source(g, settings) if g is not None else checkpoint_source(reader, dtype)
-        if is_converted(qdir, key):
-            return convert_blocks(qdir, key, cfg, specs, dtype, source)
-        with tqdm(total=cfg.num_hidden_layers, desc=f"blocks to {args.quantize} (once)", unit="block",
-                  file=sys.stderr) as bar:
-            return convert_blocks(qdir, key, cfg, specs, dtype, source, progress=lambda i: bar.update(1))
+        return quantize_checkpoint(reader, settings, dtype, cache_root=root, gguf_path=gguf_path,
+                                   name=gguf_path or args.model, before_convert=check_disk,
+                                   progress=lambda i: bar.update(1))
     except QuantError as e:
         raise RunnerError(f"--quantize {args.quantize}: {e}") from None
     finally:
-        if g is not None:
-            g.close()
+        if bar is not None:
+            bar.close()
 
 
 def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget, cpu_budget,

@@ -144,22 +144,15 @@ def bench_nvme(reader, shards: list[str], batches: list[int], args) -> list[dict
 
 
 def bench_quant(args) -> list[dict]:
-    from offload.models.quantized import (QuantSettings, cache_key, checkpoint_source, convert_blocks,
-                                          load_quantized_streamed, projection_specs, source_identity)
+    from offload.models.quantized import QuantSettings, load_quantized_streamed, quantize_checkpoint
     cfg = preset(args.preset)
     path = os.path.join(os.path.dirname(os.path.abspath(args.dir)), f"{args.preset}-bf16")
     random_checkpoint(cfg, path, 0, torch.bfloat16)
     L = cfg.num_hidden_layers
     rows = []
     with CheckpointReader(path) as reader:
-        files = sorted({loc.path for loc in reader.locations.values()})
-        blocks = {}
-        for mode in ("int8", "int4"):
-            settings = QuantSettings(mode)
-            key = cache_key(source_identity(files, cfg), settings, torch.float32)
-            blocks[mode] = convert_blocks(os.path.join(path, "quant", key), key, cfg,
-                                          projection_specs(cfg, settings), torch.float32,
-                                          checkpoint_source(reader, torch.float32))
+        blocks = {mode: quantize_checkpoint(reader, QuantSettings(mode), torch.float32, cache_root=path)
+                  for mode in ("int8", "int4")}
 
         def load(variant: str, tier: str):
             if variant == "bf16":
@@ -361,7 +354,8 @@ def main() -> None:
               f"{args.prompt_len} tokens, {args.new_tokens} new tokens, {args.rounds} rounds; "
               f"peak RSS {format_bytes(peak_rss_bytes())}")
     print(header)
-    print(table(rows))
+    if rows:
+        print(table(rows))
     ram = [r for r in rows if r["tier"] == "ram" and r["engine"] == "offload"]
     if ram:
         worst = min(min(r["ratio_vs_transformers"], r["prefill_ratio_vs_transformers"]) for r in ram)

@@ -27,10 +27,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
 from offload.models import CheckpointReader, gguf_checkpoint_dir, load_model  # noqa: E402
-from offload.models.gguf import GGUFReader  # noqa: E402
-from offload.models.quantized import (QuantSettings, cache_key, checkpoint_source,  # noqa: E402
-                                      convert_blocks, gguf_source, gguf_types,
-                                      load_quantized_streamed, projection_specs, source_identity)
+from offload.models.quantized import (QuantSettings, load_quantized_streamed,  # noqa: E402
+                                      quantize_checkpoint)
 from offload.tokenizer import load_tokenizer  # noqa: E402
 
 # (label, mode, group size, take GGUF tensors as they are)
@@ -71,21 +69,11 @@ def teacher_forced(model, rows: torch.Tensor, batch: int = 2) -> tuple[float, in
 
 def quantized_model(hf_dir: str, gguf_path: str | None, mode: str, group: int, workdir: str,
                     dtype: torch.dtype = torch.float32):
-    """(model, streamer, block bytes): the quantized model, every block resident."""
-    settings = QuantSettings(mode, group)
+    """(model, streamer, reader, block bytes): the quantized model, every block resident."""
     reader = CheckpointReader(hf_dir)
-    cfg = reader.config
-    g = GGUFReader(gguf_path) if gguf_path else None
-    try:
-        files = [gguf_path] if g else sorted({loc.path for loc in reader.locations.values()})
-        key = cache_key(source_identity(files, cfg), settings, dtype)
-        specs = projection_specs(cfg, settings, gguf_types(g) if g else None)
-        source = gguf_source(g, settings) if g else checkpoint_source(reader, dtype)
-        blocks = convert_blocks(os.path.join(workdir, key), key, cfg, specs, dtype, source)
-    finally:
-        if g is not None:
-            g.close()
-    model, streamer = load_quantized_streamed(reader, blocks, ["device"] * cfg.num_hidden_layers,
+    blocks = quantize_checkpoint(reader, QuantSettings(mode, group), dtype, cache_root=workdir,
+                                 gguf_path=gguf_path)
+    model, streamer = load_quantized_streamed(reader, blocks, ["device"] * reader.config.num_hidden_layers,
                                               device="cpu", dtype=dtype)
     return model, streamer, reader, sum(blocks.block_bytes)
 

@@ -5,8 +5,6 @@ the batch's cache on the device, and reports the batch it allows against the one
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -106,15 +104,18 @@ def test_planner_moves_the_kv_cache_to_host_only_when_it_must():
     assert forced.kv_tier == "host"
 
 
-def test_runner_kv_cache_host_same_tokens(tmp_path):
+def test_runner_kv_cache_host_same_tokens(tmp_path, capsys):
+    from runners.common import run_main
+    from runners.infer import main
+
     def run(*extra):
         out = tmp_path / f"o{len(extra)}.json"
-        r = subprocess.run([sys.executable, "-m", "runners.infer", "--model", "tiny", "--offload-dir",
-                            str(tmp_path), "--batch-size", "3", "--max-new-tokens", "5", "--ignore-eos",
-                            "--probe-seconds", "0", "--output-json", str(out), *extra],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-        return json.load(open(out)), r.stderr
+        rc = run_main(main, ["--model", "tiny", "--offload-dir", str(tmp_path), "--batch-size", "3",
+                             "--max-new-tokens", "5", "--ignore-eos", "--probe-seconds", "0",
+                             "--output-json", str(out), *extra])
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        return json.load(open(out)), err
 
     dev, _ = run()
     host, err = run("--kv-cache", "host", "--mode", "throughput")

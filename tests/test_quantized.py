@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +19,14 @@ from offload.models.quantized import (PROJECTIONS, QuantLinear, QuantSettings, b
 from offload.quant import dequantize
 
 CFG = preset("tiny")
+
+
+def _infer(argv, capsys) -> tuple[int, str]:
+    """python -m runners.infer in this process (no interpreter start): (exit code, stderr)."""
+    from runners.common import run_main
+    from runners.infer import main
+    rc = run_main(main, [str(a) for a in argv])
+    return rc, capsys.readouterr().err
 TIERS = {"device": ["device"] * 4, "cpu": ["cpu"] * 4, "nvme": ["nvme"] * 4,
          "mixed": ["device", "nvme", "cpu", "nvme"]}
 
@@ -132,18 +138,17 @@ def test_conversion_is_reused_keyed_and_resumed(ckpt, tmp_path):
     assert json.load(open(os.path.join(qdir, "manifest.json")))["key"] == other.key
 
 
-def test_infer_runner_quantized_nvme_and_dry_run(tmp_path):
+def test_infer_runner_quantized_nvme_and_dry_run(tmp_path, capsys):
     """The runner end to end on the tiny preset: int4 blocks streamed from NVMe, the report's
     bytes per token are the quantized blocks; the plan counts quantized bytes; same tokens as
     all-resident int4."""
     def run(*extra):
         out = tmp_path / f"out{len(extra)}.json"
-        r = subprocess.run([sys.executable, "-m", "runners.infer", "--model", "tiny", "--offload-dir",
-                            str(tmp_path), "--quantize", "int4", "--max-new-tokens", "5",
-                            "--ignore-eos", "--probe-seconds", "0", "--output-json", str(out), *extra],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-        return json.load(open(out)), r.stderr
+        rc, err = _infer(["--model", "tiny", "--offload-dir", tmp_path, "--quantize", "int4",
+                          "--max-new-tokens", "5", "--ignore-eos", "--probe-seconds", "0",
+                          "--output-json", out, *extra], capsys)
+        assert rc == 0, err
+        return json.load(open(out)), err
 
     dry, err = run("--dry-run")
     assert "int4" in err
@@ -155,30 +160,30 @@ def test_infer_runner_quantized_nvme_and_dry_run(tmp_path):
     q = dry["plan"]["block_bytes"][0]
     assert streamed["plan"]["block_bytes"][0] == q
     steps = streamed["metrics"]["decode_steps"]
-    assert streamed["metrics"]["bytes_per_token"]["nvme"] * steps == pytest.approx(
-        q * CFG.num_hidden_layers * steps, rel=0.01)
+    # every step reads every block at its quantized size (the cyclic prefetch shifts a block or
+    # two across the prefill/decode boundary)
+    moved = streamed["metrics"]["bytes_per_token"]["nvme"] * steps
+    assert abs(moved - q * CFG.num_hidden_layers * steps) <= 2 * q
 
 
-def test_runner_refuses_group_size_without_quantize(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "runners.infer", "--group-size", "64", "--dry-run"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "--group-size" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "runners.infer", "--quantize", "int4", "--group-size", "7",
-                        "--dry-run"], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+def test_runner_refuses_group_size_without_quantize(tmp_path, capsys):
+    rc, err = _infer(["--group-size", "64", "--dry-run"], capsys)
+    assert rc != 0 and "--group-size" in err and "Traceback" not in err
+    rc, err = _infer(["--quantize", "int4", "--group-size", "7", "--dry-run"], capsys)
+    assert rc != 0 and err.strip().splitlines()[-1].startswith("error: --quantize int4 --group-size 7")
+    assert len(err.strip().splitlines()) == 1
 
 
-def test_70b_int4_plan_for_a_gpu(tmp_path):
+def test_70b_int4_plan_for_a_gpu(tmp_path, capsys):
     """--dry-run plans for a GPU this machine lacks (its size from --gpu-memory): 70B in int4
     is resident on an 80 GB GPU (in bf16 it is not); on 24 GB beside 64 GB of RAM the blocks
     that do not fit the GPU are in RAM, none on NVMe."""
     def plan(*extra):
         out = tmp_path / "plan.json"
-        r = subprocess.run([sys.executable, "-m", "runners.infer", "--model", "70B", "--gpu", "0",
-                            "--dry-run", "--offload-dir", str(tmp_path), "--output-json", str(out),
-                            *extra], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        return json.load(open(out))["plan"], r.stderr
+        rc, err = _infer(["--model", "70B", "--gpu", "0", "--dry-run", "--offload-dir", tmp_path,
+                          "--output-json", out, *extra], capsys)
+        assert rc == 0, err
+        return json.load(open(out))["plan"], err
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the runner measures it instead of planning for one")
@@ -189,9 +194,8 @@ def test_70b_int4_plan_for_a_gpu(tmp_path):
     assert "nvme" in p16["residency"] or "cpu" in p16["residency"]
     p, _ = plan("--quantize", "int4", "--gpu-memory", "24GiB", "--cpu-memory", "64GiB")
     assert "cpu" in p["residency"] and "nvme" not in p["residency"]
-    r = subprocess.run([sys.executable, "-m", "runners.infer", "--model", "70B", "--gpu", "0", "--dry-run"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "--gpu-memory" in r.stderr and "Traceback" not in r.stderr
+    rc, err = _infer(["--model", "70B", "--gpu", "0", "--dry-run"], capsys)
+    assert rc != 0 and "--gpu-memory" in err and "Traceback" not in err
 
 
 def test_real_model_quality_and_gguf_tensors_taken_as_they_are(smollm2_gguf, smollm2_hf, tmp_path):
@@ -216,13 +220,15 @@ def test_real_model_quality_and_gguf_tensors_taken_as_they_are(smollm2_gguf, smo
     ref = got["reference (fp32)"]["block_bytes"]
     assert got["int4 (GGUF as is)"]["block_bytes"] < 0.2 * ref and got["int8"]["block_bytes"] < 0.3 * ref
     # the GGUF conversion's directory holds the taken blocks: bit-exact against the fp32 values
-    qdirs = [d for d in os.listdir(tmp_path) if os.path.isfile(tmp_path / d / "manifest.json")]
+    root = tmp_path / "quant"
+    qdirs = [d for d in os.listdir(root) if os.path.isfile(root / d / "manifest.json")]
+    assert len(qdirs) == 4  # int8, int4 g64, int4 g32, int4 from the GGUF
     with CheckpointReader(smollm2_hf) as reader:
         for d in qdirs:
-            m = json.load(open(tmp_path / d / "manifest.json"))
+            m = json.load(open(root / d / "manifest.json"))
             if m["specs"][0]["mlp.up_proj"] != [4, 32]:
                 continue
-            with SafetensorsFile(block_file(str(tmp_path / d), 0)) as f:
+            with SafetensorsFile(block_file(str(root / d), 0)) as f:
                 for proj in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
                     parts = {n: f.read(f"{proj}.{n}") for n in ("qweight", "scales", "mins")}
                     want = reader.read(f"model.layers.0.{proj}.weight", torch.float32)

@@ -192,7 +192,7 @@ class GGUFReader:
         self.unexpected += sorted(n for n in self.tensors if n not in expected)
 
     # ---- tensors ------------------------------------------------------------------------------
-    def _unpermute(self, name: str, w: np.ndarray) -> np.ndarray:
+    def unpermute_rows(self, name: str, w: np.ndarray) -> np.ndarray:
         """llama.cpp stores q/k rows of each head as interleaved (even, odd) rotary pairs;
         Hugging Face stores the two halves one after the other. w [heads*head_dim, ...]."""
         cfg = self.config
@@ -222,7 +222,7 @@ class GGUFReader:
         w = np.asarray(w, dtype=np.float32).reshape(shape)
         if not w.flags.writeable:  # F32 data is a view of the read-only file mapping
             w = w.copy()
-        return self._unpermute(name, w)
+        return self.unpermute_rows(name, w)
 
     def read_tensors_into(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Fill each destination (any device and float dtype, our shape), one tensor at a time."""

@@ -272,7 +272,7 @@ def gguf_source(gguf_reader, settings: QuantSettings) -> BlockSource:
             if n.endswith(".weight") and proj in PROJECTIONS and t.tensor_type.name in GGUF_TAKEN[settings.mode]:
                 shape = tuple(int(d) for d in reversed(list(t.shape)))
                 _, parts = from_gguf(t.tensor_type.name, t.data, shape)
-                taken[proj] = {k: torch.from_numpy(gguf_reader._unpermute(full, v.numpy()).copy())
+                taken[proj] = {k: torch.from_numpy(gguf_reader.unpermute_rows(full, v.numpy()).copy())
                                for k, v in parts.items()}
             else:
                 dense[n] = gguf_reader.read(full, torch.float32)
@@ -287,6 +287,40 @@ def gguf_types(gguf_reader) -> dict[str, str]:
 def quantized_dir(cache_root: str, model_name: str, key: str) -> str:
     stem = os.path.basename(os.path.normpath(model_name)).split(".gguf")[0] or "model"
     return os.path.join(cache_root, "quant", f"{stem}-{key}")
+
+
+def default_cache_root() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "offload")
+
+
+def quantize_checkpoint(reader, settings: QuantSettings, dtype: torch.dtype, *,
+                        cache_root: str | None = None, gguf_path: str | None = None,
+                        name: str | None = None, progress: Callable[[int], None] | None = None,
+                        before_convert: Callable[[str, int], None] | None = None) -> QuantizedBlocks:
+    """The quantized blocks of an open CheckpointReader (or of `gguf_path`, whose tensors of
+    this mode's width are taken as they are; `reader` is then its converted directory), in
+    `cache_root`/quant (default ~/.cache/offload/quant): converted now unless a finished
+    conversion of the same source and settings is there. `before_convert(dir, bytes)` is called
+    only when something is converted (the runner checks the disk there)."""
+    cfg = reader.config
+    g = None
+    try:
+        if gguf_path is not None:
+            from offload.models.gguf import GGUFReader
+            g = GGUFReader(gguf_path)
+        files = [gguf_path] if g else sorted({loc.path for loc in reader.locations.values()})
+        key = cache_key(source_identity(files, cfg), settings, dtype)
+        specs = projection_specs(cfg, settings, gguf_types(g) if g else None)
+        qdir = quantized_dir(cache_root or default_cache_root(), name or gguf_path or reader.path, key)
+        source = gguf_source(g, settings) if g else checkpoint_source(reader, dtype)
+        if not is_converted(qdir, key):
+            if before_convert is not None:
+                before_convert(qdir, sum(quantized_block_bytes(cfg, s, dtype) for s in specs))
+            return convert_blocks(qdir, key, cfg, specs, dtype, source, progress)
+        return convert_blocks(qdir, key, cfg, specs, dtype, source)
+    finally:
+        if g is not None:
+            g.close()
 
 
 def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence[str], *,
