@@ -27,21 +27,19 @@ from tqdm import tqdm
 
 from offload.config import format_bytes, read_regular_file
 from offload.generate import SamplingParams, check_prompts, generate
-from offload.models import (PRESETS, CheckpointReader, ModelConfig, block_parameter_shapes,
-                            init_parameter_, kv_cache_bytes,
+from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
                             num_block_params, num_params, parameter_shapes, preset, save_pretrained)
 from offload.planner import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
 from offload.models import kernels, load_streamed
-from offload.models.quantized import (QuantizedBlocks, QuantSettings, gguf_types,
-                                      load_quantized_streamed, projection_specs,
-                                      quantize_checkpoint, quantized_block_bytes)
-from offload.quant import QuantError, workspace_bytes as quant_workspace_bytes
+from offload.models.quantized import QuantSettings, load_quantized_streamed, quantized_block_bytes
+from offload.quant import QuantError
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,
                             dtype_label, note_unused_tensors, run_main, select_device,
                             select_dtype, writable_dir)
+from runners.infer_quant import convert_quantized, quant_scratch, quant_source
 
 DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
 MAX_BATCH = 1 << 16  # one prompt is repeated this many times in memory before any plan
@@ -273,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ready = path is not None and os.path.isfile(os.path.join(path, "config.json"))
     reader = CheckpointReader(path) if ready else None
     try:
-        quant = _quant_source(args, cfg, reader, dtype)
+        quant = quant_source(args, cfg)
         return _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget,
                     cpu_budget, sampling, quant)
     finally:
@@ -281,54 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             reader.close()
 
 
-# ---- quantized blocks -----------------------------------------------------------------------------
-def _quant_source(args, cfg: ModelConfig, reader, dtype: torch.dtype):
-    """None without --quantize; else (settings, per-layer specs, the GGUF path or None)."""
-    if args.quantize == "none":
-        return None
-    settings = QuantSettings(args.quantize, args.group_size)  # checked in main
-    gguf_path = args.model if os.path.isfile(args.model) else None
-    types = None
-    if gguf_path is not None:
-        from offload.models.gguf import GGUFReader
-        with GGUFReader(gguf_path) as g:
-            types = gguf_types(g)
-    return settings, projection_specs(cfg, settings, types), gguf_path
-
-
-def _convert_quantized(args, cfg, reader, dtype, quant) -> QuantizedBlocks:
-    """The quantized blocks in the cache, converted now unless a finished conversion of the
-    same source and settings is there."""
-    settings, _specs, gguf_path = quant
-    root = os.path.abspath(os.path.expanduser(args.offload_dir or os.path.join("~", ".cache", "offload")))
-    writable_dir(os.path.join(root, "quant"), "--offload-dir")
-    bar = None
-
-    def check_disk(qdir: str, need: int) -> None:
-        nonlocal bar
-        free = disk_free_bytes(os.path.dirname(qdir))
-        if need > free:
-            raise RunnerError(f"the {args.quantize} blocks need {format_bytes(need)} on disk, "
-                              f"{format_bytes(free)} free at {qdir}; use --offload-dir elsewhere")
-        bar = tqdm(total=cfg.num_hidden_layers, desc=f"blocks to {args.quantize} (once)",
-                   unit="block", file=sys.stderr)
-
-    try:
-        return quantize_checkpoint(reader, settings, dtype, cache_root=root, gguf_path=gguf_path,
-                                   name=gguf_path or args.model, before_convert=check_disk,
-                                   progress=lambda i: bar.update(1))
-    except QuantError as e:
-        raise RunnerError(f"--quantize {args.quantize}: {e}") from None
-    finally:
-        if bar is not None:
-            bar.close()
-
-
 def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget, cpu_budget,
          sampling, quant=None) -> int:
     plan = _plan(args, cfg, reader, len(batches[0]), context, device, dtype, gpu_budget, cpu_budget,
                  quant)
-    qblocks = (_convert_quantized(args, cfg, reader, dtype, quant)
+    qblocks = (convert_quantized(args, cfg, reader, dtype, quant)
                if quant is not None and reader is not None and not args.dry_run else None)
     links, measured = _probe_links(args, cfg, reader, plan, device, qblocks)
     block = plan.block_bytes[0] if plan.block_bytes else 0
@@ -415,21 +370,10 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
         kv_tier=args.kv_cache, num_layers=L,
         kv_positions_per_step=max(1, context - args.max_new_tokens // 2),
         staging_needed=device.type == "cuda" or stored_dtype != dtype,
-        scratch_bytes=kernels.scratch_bytes(device, dtype) + _quant_scratch(cfg, quant, batch, context,
+        scratch_bytes=kernels.scratch_bytes(device, dtype) + quant_scratch(cfg, quant, batch, context,
                                                                             args.max_new_tokens,
                                                                             device, dtype))
 
-
-def _quant_scratch(cfg, quant, batch: int, context: int, new_tokens: int, device, dtype) -> int:
-    """The quantized matmul's transient bytes (offload/quant.py workspace_bytes) for the widest
-    projection at the prefill's rows: dequantized chunks, padded inputs, transposed outputs."""
-    if quant is None:
-        return 0
-    rows = batch * max(1, context - new_tokens)
-    shapes = block_parameter_shapes(cfg)
-    return max(quant_workspace_bytes(shapes[f"{proj}.weight"][0], shapes[f"{proj}.weight"][1], spec,
-                                     rows, device, dtype)
-               for layer in quant[1] for proj, spec in layer.items())
 
 
 def _probe_links(args, cfg, reader, plan, device, qblocks=None) -> tuple[Links, bool]:
