@@ -88,16 +88,17 @@ class QuantSpec:
             raise QuantError(f"4-bit quantization needs an even group_size > 0 (e.g. 32, 64, 128), "
                              f"got {self.group_size}")
 
-    def _width(self, in_features: int) -> int:
+    def group_width(self, in_features: int) -> int:
+        """Input columns per scale for a weight of `in_features` columns."""
         if in_features < 1:
             raise QuantError(f"in_features={in_features}: a weight needs at least one input column")
         return in_features if self.group_size == 0 else self.group_size
 
     def groups(self, in_features: int) -> int:
-        return -(-in_features // self._width(in_features))
+        return -(-in_features // self.group_width(in_features))
 
     def padded_in(self, in_features: int) -> int:
-        return self.groups(in_features) * self._width(in_features)
+        return self.groups(in_features) * self.group_width(in_features)
 
 
 def packed_bytes(out_features: int, in_features: int, spec: QuantSpec) -> int:
@@ -246,8 +247,7 @@ def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor) -> str:
         return "dense"
     if forced == "fused" or (forced is None and fused and x2d.shape[0] <= FUSED_ROWS_MAX):
         return "fused" if fused else "chunked"
-    if forced in (None, "c") and quant_cpu.applies(spec.bits, x2d.shape[0], in_features,
-                                                    spec.padded_in(in_features) // spec.groups(in_features), x2d):
+    if forced in (None, "c") and quant_cpu.applies(spec, in_features, x2d):
         return "c"
     return "chunked"
 
@@ -345,10 +345,10 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
     if kernel is None:  # autograd cannot go through the chunks' out= products
         kernel = "dense" if torch.is_grad_enabled() and x.requires_grad else kernel_for(spec, in_features, x2d)
     elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d)) or (
-            kernel == "c" and not quant_cpu.applies(spec.bits, x2d.shape[0], in_features,
-                                                    spec.padded_in(in_features) // spec.groups(in_features), x2d)):
+            kernel == "c" and not quant_cpu.applies(spec, in_features, x2d)):
         raise QuantError(f"kernel={kernel!r}: use dense or chunked (fused: per-channel int8, bf16 x "
-                         f"on the CPU, in_features % 8 == 0)")
+                         f"on the CPU, in_features % 8 == 0; c: the CPU, at most "
+                         f"{quant_cpu.ROWS_MAX[spec.bits]} rows for int{spec.bits}, built)")
     cdt = torch.float32 if x.device.type == "cpu" else x.dtype
     if x2d.shape[0] == 0:
         y = x2d.new_zeros(0, out_f)

@@ -84,9 +84,11 @@ def status() -> str:
     return str(_state["why"])
 
 
-def applies(bits: int, rows: int, in_features: int, group: int, x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and 1 <= rows <= ROWS_MAX[bits]
-            and (bits == 8 or group <= MAX_GROUP) and library() is not None)
+def applies(spec, in_features: int, x2d: torch.Tensor) -> bool:
+    """This kernel computes x2d [rows, in] @ W^T for a weight of `spec` (and was built)."""
+    return (x2d.device.type == "cpu" and 1 <= x2d.shape[0] <= ROWS_MAX[spec.bits]
+            and (spec.bits == 8 or spec.group_width(in_features) <= MAX_GROUP)
+            and library() is not None)
 
 
 def helper_pool(threads: int) -> ThreadPoolExecutor:

@@ -29,6 +29,7 @@ sys.path.insert(0, _ROOT)
 from offload.models import CheckpointReader, gguf_checkpoint_dir, load_model  # noqa: E402
 from offload.models.quantized import (QuantSettings, load_quantized_streamed,  # noqa: E402
                                       quantize_checkpoint)
+from offload.tiers import cpu_model  # noqa: E402
 from offload.tokenizer import load_tokenizer  # noqa: E402
 
 # (label, mode, group size, take GGUF tensors as they are)
@@ -120,10 +121,8 @@ def main() -> int:
     hf_dir = gguf_checkpoint_dir(model, torch.float32) if gguf_path else model
     tok = load_tokenizer(hf_dir)
     rows = token_rows(tok, real_text(args.text), args.seqs, args.seq_len)
-    import platform
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    print(f"# {os.path.basename(model)}, text {args.text}, {args.seqs} x {args.seq_len} tokens, CPU {cpu}")
+    print(f"# {os.path.basename(model)}, text {args.text}, {args.seqs} x {args.seq_len} tokens, "
+          f"CPU {cpu_model()}")
     with tempfile.TemporaryDirectory() as work:
         results = evaluate(hf_dir, gguf_path, rows, work)
     print(f"{'model':<20} {'perplexity':>10} {'vs ref':>8} {'top-1 agree':>12} {'block bytes':>12}")

@@ -282,7 +282,7 @@ def test_every_kernel_equals_x_times_dequantized_weight(spec, rows, dtype, monke
     bound = x.double().abs() @ deq.abs().T + bias.double().abs()
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6
     kernels = ["dense", "chunked"] + (["fused"] if fused_applies(spec, in_f, x) else [])
-    if quant_cpu.applies(spec.bits, rows, in_f, spec.padded_in(in_f) // spec.groups(in_f), x):
+    if quant_cpu.applies(spec, in_f, x):
         kernels.append("c")
     assert ("fused" in kernels) == (spec.bits == 8 and spec.group_size == 0 and dtype == torch.bfloat16)
     for kernel in kernels + [None]:

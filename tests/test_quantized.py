@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from nvme.format import read_header
+from nvme.format import SafetensorsFile, read_header
 from offload.generate import generate
 from offload.models import CheckpointReader, build_model, load_model, preset, save_pretrained
 from offload.models.quantized import (PROJECTIONS, QuantLinear, QuantSettings, block_file, cache_key,
                                       checkpoint_source, convert_blocks, load_quantized_streamed,
                                       projection_specs, quantized_block_bytes, source_identity)
-from offload.quant import dequantize
+from offload.quant import QuantSpec, dequantize
 
 CFG = preset("tiny")
 
@@ -52,7 +52,6 @@ def _dense_reference(ckpt: str, blocks) -> torch.nn.Module:
     block files: what a quantized forward must compute."""
     model = load_model(ckpt)
     for i, layer in enumerate(model.model.layers):
-        from nvme.format import SafetensorsFile
         with SafetensorsFile(block_file(blocks.path, i)) as f:
             for proj in PROJECTIONS:
                 spec = blocks.specs[i][proj]
@@ -206,7 +205,6 @@ def test_real_model_quality_and_gguf_tensors_taken_as_they_are(smollm2_gguf, smo
     numbers: docs/BENCHMARKS.md, scripts/eval_quant.py). The taken tensors dequantize to exactly
     the values the fp32 conversion holds."""
     from conftest import load_script
-    from nvme.format import SafetensorsFile
     from offload.tokenizer import load_tokenizer
     ev = load_script("eval_quant")
     rows = ev.token_rows(load_tokenizer(smollm2_hf), ev.real_text("pydoc"), 2, 128)
@@ -232,6 +230,5 @@ def test_real_model_quality_and_gguf_tensors_taken_as_they_are(smollm2_gguf, smo
                 for proj in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
                     parts = {n: f.read(f"{proj}.{n}") for n in ("qweight", "scales", "mins")}
                     want = reader.read(f"model.layers.0.{proj}.weight", torch.float32)
-                    from offload.quant import QuantSpec
                     deq = dequantize(parts, QuantSpec(4, 32), want.shape[1], torch.float32)
                     assert torch.equal(deq, want), (d, proj)

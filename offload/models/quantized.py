@@ -313,11 +313,9 @@ def quantize_checkpoint(reader, settings: QuantSettings, dtype: torch.dtype, *,
         specs = projection_specs(cfg, settings, gguf_types(g) if g else None)
         qdir = quantized_dir(cache_root or default_cache_root(), name or gguf_path or reader.path, key)
         source = gguf_source(g, settings) if g else checkpoint_source(reader, dtype)
-        if not is_converted(qdir, key):
-            if before_convert is not None:
-                before_convert(qdir, sum(quantized_block_bytes(cfg, s, dtype) for s in specs))
-            return convert_blocks(qdir, key, cfg, specs, dtype, source, progress)
-        return convert_blocks(qdir, key, cfg, specs, dtype, source)
+        if before_convert is not None and not is_converted(qdir, key):
+            before_convert(qdir, sum(quantized_block_bytes(cfg, s, dtype) for s in specs))
+        return convert_blocks(qdir, key, cfg, specs, dtype, source, progress)
     finally:
         if g is not None:
             g.close()
