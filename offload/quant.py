@@ -40,10 +40,11 @@ ms for the 1B Llama shapes 2048x2048 / 8192x2048 / 2048x8192, cold weights):
   is (q - 8) * scale + zero with bf16 scale and zero (zero = min + 8 scale): not our values
   exactly either. Measured by the benchmark, not used here.
 - "dense": F.linear(x, dequantize(...)), the reference; 2.5-9x slower (a fresh fp32 copy of W).
-- "c": for 1-2 (int8) or 1-8 (int4) rows on the CPU, a C loop that reads each code byte once
-  (offload/quant_cpu.py): the decode case, where the chunked kernel's passes over every element
-  cost more than the dense product does (1 row, int4: 4.3-4.7 ms vs 8.5-8.9 chunked, 4.6-6.4
-  dense fp32 for the 1B shapes). Taken whenever it applies and was built.
+- "c": for 1-16 rows on the CPU, a C loop that reads each code byte once and multiplies it into
+  up to 8 rows at a time (offload/quant_cpu.py): the decode case, where the chunked kernel's
+  passes over every element cost more than the dense product does (int4/g64, 2 threads: 1 row
+  3.2-3.3 ms vs 17-19 chunked and 4.4-4.6 dense fp32; 8 rows 5.8-5.9 vs 28-32 and 13-18, for
+  the 1B shapes). Taken whenever it applies and was built.
 $OFFLOAD_QUANT_KERNEL=dense|chunked|fused|c forces a kernel (fused and c only where they apply).
 """
 

@@ -1,15 +1,17 @@
 """The few-row quantized product on the CPU: a C loop that reads each code byte once
 (offload/csrc/quant_gemv.c), its output rows split over threads.
 
-Why: decode multiplies 1-4 rows by every weight, so the time is reading the weight. torch can
+Why: decode multiplies 1-16 rows by every weight, so the time is reading the weight. torch can
 only dequantize into a float buffer and multiply there -- several passes over each element --
 which made batch-1 int4 decode 2.3x slower than dense fp32 on this project's 2-core AMD EPYC.
-The C loop widens one group's codes into registers/L1 and takes one dot product per row. Measured
-(8192x2048 and 2048x8192, medians, caches flushed between calls; docs/BENCHMARKS.md): 1 row,
-int4/g64 4.3-4.7 ms against 8.5-8.9 for the torch chunked kernel and 4.6-6.4 for dense fp32;
-int8 per channel 3.4 ms against 6.0 (chunked) and 5.7-6.0 (dense). At 4+ rows torch's chunked
-GEMM wins for int8 (11.3 vs 8.0 ms at 4 rows) while int4 stays ahead to 8 rows
-(22.3 vs 24.0 ms, 8192x2048), hence ROWS_MAX.
+The C loop widens one group's codes (scale and min applied) into L1 and multiplies them into up
+to 8 rows at once, register-tiled; more rows go in tiles of 8 over blocks of 64 output rows.
+Measured (8192x2048 and 2048x8192, medians, caches flushed between calls, 2 threads; the
+scales passed as their fp16 bits -- converting them with torch first cost more than the
+product): int4/g64 3.2-3.3 ms at 1 row, 5.8-5.9 at 8, 12.2-12.3 at 16, against dense fp32
+4.4-4.6 / 12.8-17.5 / 11.6-32.9 and the torch chunked kernel 17-19 / 28-32 / 27-37; int8 per
+channel 2.2-3.3 / 5.8-9.6 / 10.6-12.9. At 32 rows dense fp32 and the chunked GEMM catch up
+(2048x8192: 22 vs 15 / 27 ms), hence ROWS_MAX = 16.
 
 Built with -O3 -ffast-math (vectorised, reassociated sums): results equal x @ dequantize(W)^T
 to float rounding (checked against torch when the library is loaded) and do not depend on how
@@ -28,8 +30,7 @@ import torch.nn.functional as F
 
 from offload import cbuild
 
-ROWS_MAX = {8: 2, 4: 8}  # bits -> most rows this kernel takes (see the module docstring)
-MAX_GROUP = 8192  # quant_gemv.c's MAX_GROUP: int4 groups wider than this take the torch kernel
+ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes (see the module docstring)
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemv.c"
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffast-math"]
 _state: dict[str, object] = {}
@@ -47,17 +48,18 @@ class _Lib:
         self.q8.argtypes = [p, p, p, p, i, i, i, i, i, i]
         self.q8.restype = ctypes.c_int
         self.q4 = lib.offload_q4_rows
-        self.q4.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i]
+        self.q4.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
         self.q4.restype = ctypes.c_int
 
 
 def _self_check(lib: _Lib) -> str | None:
     from offload.quant import QuantSpec, dequantize, quantize
     gen = torch.Generator().manual_seed(7)
-    for spec, in_f in ((QuantSpec(8, 0), 96), (QuantSpec(8, 32), 100), (QuantSpec(4, 64), 150)):
+    for spec, in_f in ((QuantSpec(8, 0), 96), (QuantSpec(8, 32), 100), (QuantSpec(4, 64), 150),
+                       (QuantSpec(4, 32), 96)):
         w = torch.randn(37, in_f, generator=gen)
         parts = quantize(w, spec)
-        for rows in (1, 3):
+        for rows in (1, 3, 11):  # one row, one tile, two tiles
             x = torch.randn(rows, in_f, generator=gen)
             want = x.double() @ dequantize(parts, spec, in_f, torch.float64).T
             got = _run(lib, x, parts, spec, in_f, threads=2)
@@ -87,7 +89,6 @@ def status() -> str:
 def applies(spec, in_features: int, x2d: torch.Tensor) -> bool:
     """This kernel computes x2d [rows, in] @ W^T for a weight of `spec` (and was built)."""
     return (x2d.device.type == "cpu" and 1 <= x2d.shape[0] <= ROWS_MAX[spec.bits]
-            and (spec.bits == 8 or spec.group_width(in_features) <= MAX_GROUP)
             and library() is not None)
 
 
@@ -120,17 +121,18 @@ def _run(lib: _Lib, x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_
     g = p // ng
     x = x2d.float()
     xp = F.pad(x, (0, p - in_features)) if p > in_features else x  # [rows, p], zeros in the pad
-    scales = parts["scales"].float().contiguous()  # [out, groups]
+    # [out, groups] fp16, passed as stored: the kernel widens one per group (torch's
+    # half->float of the whole tensor cost more than the int4 product itself)
+    scales = parts["scales"].contiguous()
     y = torch.empty(rows, out_f, dtype=torch.float32)  # [rows, out]
     if spec.bits == 4:
         xg = xp.reshape(rows, ng, g)
-        xsum = xg.sum(-1).contiguous()  # [rows, groups]: what each group's min multiplies
         xin = torch.cat((xg[..., 0::2], xg[..., 1::2]), -1).contiguous()  # per group [even | odd]
-        mins = parts["mins"].float().contiguous()
+        mins = parts["mins"].contiguous()
 
         def part(a: int, b: int) -> int:
             return lib.q4(qw.data_ptr(), scales.data_ptr(), mins.data_ptr(), xin.data_ptr(),
-                          xsum.data_ptr(), y.data_ptr(), rows, out_f, p, g, a, b)
+                          y.data_ptr(), rows, out_f, p, g, a, b)
     else:
         xin = xp.contiguous()
 

@@ -14,7 +14,7 @@ into --dir when it holds no checkpoint):
   * quant: the same preset stored in bf16 (computed in fp32) against its int8 and int4 blocks
     (offload/models/quantized.py), all loaded at once and run alternately: streamed cold from
     NVMe at batch 1 (bytes per token, decode tok/s, % of each one's own floor: the disk rate the
-    streamer gets on exactly its bytes) and resident in RAM (decode tok/s at batch 1 and 8).
+    streamer gets on exactly its bytes) and resident in RAM (decode tok/s at --quant-batches).
 
 Usage: python scripts/bench_infer.py --dir /tmp/offload-bench/1B-fp32 --new-tokens 8
 """
@@ -161,7 +161,8 @@ def bench_quant(args) -> list[dict]:
             return load_quantized_streamed(reader, blocks[variant], [tier] * L, device="cpu",
                                            dtype=torch.float32, nvme_ahead=args.nvme_ahead)
 
-        for tier, batches in (("nvme", [1]), ("cpu", [1, 8])):
+        ram_batches = [int(b) for b in args.quant_batches.split(",")]
+        for tier, batches in (("nvme", [1]), ("cpu", ram_batches)):
             loaded = {v: load(v, tier) for v in ("bf16", "int8", "int4")}
             floor_gbps = {}
             try:
@@ -323,6 +324,8 @@ def main() -> None:
                    help="ram (vs transformers), nvme (streamed decode), runner (its floor vs O_DIRECT), "
                         "quant (bf16 vs int8 vs int4 blocks; not in the default)")
     p.add_argument("--batches", default="1,2,4,8,16,32")
+    p.add_argument("--quant-batches", default="1,2,4,8,16",
+                   help="quant part: batch sizes of the in-RAM rows (NVMe rows: batch 1)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="alternating runs per batch (ram part)")
     p.add_argument("--prompt-len", type=int, default=8)

@@ -34,7 +34,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as runners/infer.py sets 
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -44,23 +43,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload import quant  # noqa: E402
+from offload import quant, quant_cpu  # noqa: E402
 from offload.quant import QuantSpec, dequantize, kernel_for, quant_linear, quantize  # noqa: E402
+from offload.tiers import cpu_model  # noqa: E402
 
 LLAMA_1B = ["2048x2048", "8192x2048", "2048x8192"]  # q/o, gate/up, down (out x in)
 SMOLLM2_135M = ["576x576", "1536x576", "576x1536"]
-SPECS = {"int8/ch": QuantSpec(8, 0), "int8/g32": QuantSpec(8, 32), "int4/g32": QuantSpec(4, 32)}
+SPECS = {"int8/ch": QuantSpec(8, 0), "int8/g32": QuantSpec(8, 32), "int4/g32": QuantSpec(4, 32),
+         "int4/g64": QuantSpec(4, 64)}
 RULE = (quant.CPU_CHUNK_BYTES, quant.CPU_CHUNK_BYTES_MANY_ROWS)
 COLD_BYTES = 64 << 20  # twice the L3 of this CPU
 T = TypeVar("T")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return "unknown"
 
 
 def cpu_seconds() -> tuple[float, float] | None:
@@ -151,6 +144,9 @@ def run_case(out_f: int, in_f: int, rows: int, act: torch.dtype, repeats: int, c
                 p = c()
                 return torch.ops.aten._weight_int8pack_mm(x, p["qweight"], p["scales"].view(-1).to(x.dtype))
             fns[f"{label} fused"], refs[f"{label} fused"] = fused, deq
+        if quant_cpu.applies(spec, in_f, x.reshape(-1, in_f)):  # the C few-row loop
+            fns[f"{label} c"] = lambda c=cold, s=spec: quant_linear(x, c(), s, in_f, kernel="c")
+            refs[f"{label} c"] = deq
         if spec.bits == 4:
             for name, f in int4pack_fns(parts, spec, in_f, x).items():
                 fns[name], refs[name] = f, deq

@@ -298,16 +298,21 @@ def test_every_kernel_equals_x_times_dequantized_weight(spec, rows, dtype, monke
 def test_kernel_choice_and_override(monkeypatch):
     monkeypatch.delenv("OFFLOAD_QUANT_KERNEL", raising=False)
     ch, grouped = QuantSpec(8, 0), QuantSpec(8, 32)
+    few = "c" if quant_cpu.library() is not None else "chunked"  # the C loop, where it was built
     x = torch.randn(4, 64)
+    many = torch.randn(max(quant.FUSED_ROWS_MAX, quant_cpu.ROWS_MAX[8]) + 1, 64)
     assert kernel_for(ch, 64, x.bfloat16()) == "fused"
-    assert kernel_for(ch, 64, torch.randn(quant.FUSED_ROWS_MAX + 1, 64).bfloat16()) == "chunked"
-    assert kernel_for(ch, 64, x) == "chunked"  # fp32: torch's int8 kernel is scalar
-    assert kernel_for(grouped, 64, x.bfloat16()) == "chunked"
-    assert kernel_for(ch, 36, torch.randn(4, 36).bfloat16()) == "chunked"  # in % 8 != 0 crashes it
+    assert kernel_for(ch, 64, many.bfloat16()) == "chunked"
+    assert kernel_for(ch, 64, x) == few  # fp32: torch's int8 kernel is scalar
+    assert kernel_for(ch, 64, many) == "chunked"
+    assert kernel_for(grouped, 64, x.bfloat16()) == few
+    assert kernel_for(ch, 36, torch.randn(4, 36).bfloat16()) == few  # in % 8 != 0 crashes fused
     monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "dense")
     assert kernel_for(ch, 64, x.bfloat16()) == "dense"
     monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "fused")
     assert kernel_for(ch, 64, x) == "chunked" and kernel_for(ch, 64, x.bfloat16()) == "fused"
+    monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "chunked")
+    assert kernel_for(ch, 64, x) == "chunked"
     monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "bogus")
     with pytest.raises(QuantError, match="dense, chunked, fused"):
         kernel_for(ch, 64, x)
