@@ -429,7 +429,9 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta", dtype: to
     return model
 
 
-def _param_seed(seed: int, name: str) -> int:
+def param_seed(seed: int, name: str) -> int:
+    """A generator seed for one named tensor: each tensor's random values depend on the run's
+    seed and its own name only, not on which other tensors were drawn before it."""
     digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -442,7 +444,7 @@ def init_parameter_(name: str, out: torch.Tensor, seed: int, std: float) -> None
     elif name.endswith(".bias"):
         out.zero_()
     else:
-        gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+        gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
         out.copy_(torch.empty(out.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
