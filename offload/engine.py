@@ -332,7 +332,8 @@ class Engine:
                 if id(p) not in owned:
                     raise ConfigError(f"offload_params: parameter {name!r} of a block is frozen "
                                       f"or shared outside the block; streamed blocks must own "
-                                      f"all their parameters and train them")
+                                      f"all their parameters and train them (a frozen LoRA base "
+                                      f"is not streamed yet: use offload_params='none')")
 
     def _make_state(self):
         cfg = self.cfg
