@@ -13,7 +13,7 @@ product): int4/g64 3.2-3.3 ms at 1 row, 5.8-5.9 at 8, 12.2-12.3 at 16, against d
 channel 2.2-3.3 / 5.8-9.6 / 10.6-12.9. At 32 rows dense fp32 and the chunked GEMM catch up
 (2048x8192: 22 vs 15 / 27 ms), hence ROWS_MAX = 16.
 
-Built with -O3 -ffast-math (vectorised, reassociated sums): results equal x @ dequantize(W)^T
+Built with -O3 and reassociated sums (vectorised; not -ffast-math, see _FLAGS): results equal x @ dequantize(W)^T
 to float rounding (checked against torch when the library is loaded) and do not depend on how
 the rows are split. Unavailable (no compiler, failed self-check): the torch kernels run instead.
 """
@@ -32,7 +32,12 @@ from offload import cbuild
 
 ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes (see the module docstring)
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemv.c"
-_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffast-math"]
+# Reassociated sums (vectorised), and nothing of -ffast-math beyond that: GCC links a -ffast-math
+# shared object with crtfastmath.o, whose constructor turns on flush-to-zero and
+# denormals-are-zero for the whole process when the library loads -- every subnormal in every
+# later torch op became 0 (tests/test_quant.py::test_loading_the_kernels_keeps_subnormals).
+_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-fno-signed-zeros", "-fassociative-math"]
 _state: dict[str, object] = {}
 _lock = threading.Lock()  # building/loading the library
 _pool_lock = threading.Lock()  # the helper threads (the self-check runs under _lock and uses them)

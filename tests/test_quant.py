@@ -367,3 +367,26 @@ def test_c_rows_kernel_split_over_threads(spec):
         assert err < 1e-5, (rows, err)
     x = torch.randn(quant_cpu.ROWS_MAX[spec.bits] + 1, in_f, generator=gen)
     assert kernel_for(spec, in_f, x) == "chunked"
+
+
+def test_loading_the_kernels_keeps_subnormals():
+    """A C library built with -ffast-math turns on flush-to-zero / denormals-are-zero for the
+    whole process when it loads (GCC links crtfastmath.o into it): every later torch op then
+    silently rounds subnormals to 0 (bf16 upcasts and fp16 rounding in the optimizer tests broke
+    that way). Checked in a fresh process, after both kernels load, on its main thread and a
+    new one."""
+    import subprocess
+    import sys
+    code = (
+        "import threading, torch\n"
+        "from offload import optim, quant_cpu\n"
+        "assert quant_cpu.library() is not None, quant_cpu.status()\n"
+        "optim._load_kernel()\n"
+        "tiny = torch.tensor([1e-40]) * 1\n"
+        "out = []\n"
+        "t = threading.Thread(target=lambda: out.append((torch.tensor([1e-40]) * 1).item()))\n"
+        "t.start(); t.join()\n"
+        "print(tiny.item(), out[0])\n"
+        "assert tiny.item() > 0 and out[0] > 0, 'subnormals flushed to zero'\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -25,7 +25,8 @@
  * each group to [even columns | odd columns], so both nibble streams meet contiguous x. Scales
  * and mins arrive as their stored fp16 bits. Each call computes output rows [o_begin, o_end): the Python side
  * splits the rows over threads (ctypes drops the GIL), as offload/models/kernels.py does.
- * Built with -O3 -ffast-math: the sums are reassociated (vectorised); results differ from the
+ * Built with -O3 -fassociative-math (not -ffast-math: offload/quant_cpu.py says why): the sums
+ * are reassociated (vectorised); results differ from the
  * dequantize-then-matmul reference by float rounding only, and do not depend on the split.
  */
 #include <stdint.h>
