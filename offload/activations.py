@@ -22,6 +22,7 @@ backward starts (see offload/train_stream.py).
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -109,7 +110,11 @@ class _Checkpoint(torch.autograd.Function):
     backward: restore the inputs, rerun the block with grad, back-propagate through it."""
 
     @staticmethod
-    def forward(ctx, spec: "_Spec", *tensors: torch.Tensor):
+    def forward(ctx, spec: "_Spec", *inputs: torch.Tensor):
+        # inputs past spec.n_tensors are trainable parameters passed only so that autograd
+        # records this node: see enable_activation_checkpointing
+        tensors = inputs[:spec.n_tensors]
+        spec.n_extra = len(inputs) - spec.n_tensors
         ctx.spec = spec
         spec.rng_cpu = torch.get_rng_state()
         spec.rng_cuda = (torch.cuda.get_rng_state(spec.device)
@@ -153,7 +158,8 @@ class _Checkpoint(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, *[x.grad if need else None for x, need in zip(inputs, spec.needs_grad)])
+        return (None, *[x.grad if need else None for x, need in zip(inputs, spec.needs_grad)],
+                *[None] * spec.n_extra)  # the parameters' gradients came from the rerun
 
 
 class _Spec:
@@ -170,6 +176,8 @@ class _Spec:
             if torch.is_tensor(v):
                 self.slots.append(("k", k))
         self.args, self.kwargs = list(args), dict(kwargs)
+        self.n_tensors = len(self.slots)
+        self.n_extra = 0
 
     def drop_tensors(self) -> None:
         for kind, i in self.slots:
@@ -208,11 +216,19 @@ def enable_activation_checkpointing(layers: nn.ModuleList, store: ActivationStor
         plain = layer.forward
 
         @functools.wraps(plain)
-        def forward(*args, _plain=plain, _li=li, **kwargs):
+        def forward(*args, _plain=plain, _li=li, _layer=layer, **kwargs):
             if not torch.is_grad_enabled():
                 return _plain(*args, **kwargs)
             spec = _Spec(_plain, args, kwargs, _li, store, device)
-            return _Checkpoint.apply(spec, *spec.tensors())
+            tensors = spec.tensors()
+            # A block whose inputs need no gradient (LoRA: the embeddings are frozen) but whose
+            # own parameters do: autograd records a Function only if one of its inputs requires
+            # grad, so without one the adapters inside would never get a gradient. One
+            # trainable parameter is passed along (never kept: it may be a view of a streamed
+            # slot); the rerun in backward accumulates every parameter's gradient as usual.
+            extra = () if any(t.requires_grad for t in tensors) else tuple(
+                p for p in itertools.islice((p for p in _layer.parameters() if p.requires_grad), 1))
+            return _Checkpoint.apply(spec, *tensors, *extra)
 
         layer.forward = forward
         layer._offload_checkpointed = True

@@ -88,15 +88,22 @@ def _file_runs(i: int, params: dict[str, nn.Parameter], ranges: list[TensorRange
     return order, stored, runs, shift
 
 
+def streamed_params(layer: nn.Module, frozen_only: bool = False) -> dict[str, nn.Parameter]:
+    """The parameters of `layer` a streamed block holds, module order: all of them, or with
+    `frozen_only` those that need no gradient (a LoRA model's frozen base: the adapters beside
+    it stay where they are, trained by the engine)."""
+    return {n: p for n, p in layer.named_parameters() if not (frozen_only and p.requires_grad)}
+
+
 def layout_block(i: int, layer: nn.Module, ranges: list[TensorRange] | None, *, residency: str,
                  adopted: bool, device: torch.device, dtype: torch.dtype,
-                 empty: torch.Tensor) -> BlockLayout:
+                 empty: torch.Tensor, frozen_only: bool = False) -> BlockLayout:
     """Block i's flat layout: parameters in file order when a file source is given (so a block
     stored contiguously is one read), else in module order. `adopted`: the caller owns the
     block's flat host buffer already (no other source needed). Parameters that cannot take
     device storage in place (meta, another device or dtype) are replaced once by ones pointing at
-    `empty`; from then on only their `.data` changes."""
-    params = dict(layer.named_parameters())
+    `empty`; from then on only their `.data` changes. `frozen_only`: see streamed_params."""
+    params = streamed_params(layer, frozen_only)
     if ranges is not None:
         order, stored, runs, shift = _file_runs(i, params, ranges, dtype)
         out = BlockLayout(Block(index=i, name=str(i), module=layer), stored, runs, shift)

@@ -163,17 +163,36 @@ def gather_flat(block: Block, dtype: torch.dtype, out: torch.Tensor | None = Non
     return out
 
 
+def frozen_numels(model: nn.Module, block_list: str | None) -> tuple[list[int], int]:
+    """(elements of each ModuleList layer's frozen parameters, elements of the frozen
+    parameters outside the layers): what a LoRA base (or any frozen part) holds, for the plan."""
+    layers = model.get_submodule(block_list) if block_list is not None else None
+    in_layers: set[int] = set()
+    per_layer = []
+    for layer in layers if layers is not None else []:
+        frozen = [p for p in layer.parameters() if not p.requires_grad and id(p) not in in_layers]
+        in_layers.update(id(p) for p in frozen)
+        per_layer.append(sum(p.numel() for p in frozen))
+    rest = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in in_layers)
+    return per_layer, rest
+
+
 def move_frozen_and_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                            trainable: set[int]) -> None:
+                            trainable: set[int]) -> int:
     """Frozen parameters go to the device in the compute dtype; buffers keep their dtype
-    (rotary frequencies and the like must stay fp32) but move to the device."""
+    (rotary frequencies and the like must stay fp32) but move to the device. `trainable`: ids
+    of the parameters already placed (trainable, or a streamed frozen base). Returns the bytes
+    of the frozen parameters now on the device."""
+    moved = 0
     for name, p in model.named_parameters():
         if id(p) not in trainable:
             if p.device.type == "meta":
                 raise BlockError(f"frozen parameter {name!r} is on the meta device; materialise "
                                  f"frozen parameters before initialising the engine")
             p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else p.dtype)
+            moved += p.numel() * p.element_size()
     for mod in model.modules():
         for key, buf in list(mod._buffers.items()):
             if buf is not None and buf.device != device and buf.device.type != "meta":
                 mod._buffers[key] = buf.to(device)
+    return moved

@@ -27,7 +27,10 @@ from torch import nn
 
 from offload.activations import (ActivationStore, disable_activation_checkpointing,
                                  enable_activation_checkpointing)
-from offload.blocks import bind_views, gather_flat, group_blocks, move_frozen_and_buffers
+from offload.block_layout import streamed_params
+from offload.blocks import (bind_views, frozen_numels, gather_flat, group_blocks,
+                            move_frozen_and_buffers)
+from offload.frozen_stream import FrozenBaseStreamer
 from offload.config import ConfigError, OffloadConfig, as_config
 from offload.counters import TrainingCounters
 from offload import engine_state
@@ -157,7 +160,9 @@ class Engine:
         self.layers: nn.ModuleList | None = (model.get_submodule(self.block_list_path)
                                              if self.block_list_path is not None else None)
         self.layer_of: dict[int, int] = {}  # block index -> layer index, for streamed blocks
-        streams = cfg.offload_params != "none" or self.shards_weights
+        # LoRA: the layers' frozen base is streamed instead, the adapters stay resident
+        frozen_base = self.streams_frozen_base
+        streams = (cfg.offload_params != "none" and not frozen_base) or self.shards_weights
         if streams:
             self._check_streamable()
         stream_flats: list[torch.Tensor] = []
@@ -206,7 +211,7 @@ class Engine:
             self.flat16.append(flat)
             self.flat16_padded.append(padded)
             del master
-        self.streaming: TrainingStreamer | None = None
+        self.streaming: TrainingStreamer | FrozenBaseStreamer | None = None
         if self.layer_of:
             self.streaming = TrainingStreamer(
                 self.layers, self.blocks, sorted(self.layer_of, key=self.layer_of.get),
@@ -217,8 +222,16 @@ class Engine:
                 shards=ShardGather(self.zero) if self.shards_weights else None,
                 home="device" if self.shards_weights and cfg.offload_params == "none" else "host")
             trainable.update(id(s.param) for bi in self.layer_of for s in self.blocks[bi].slots)
+        elif frozen_base:
+            self.streaming = FrozenBaseStreamer(
+                self.layers, cfg.offload_params, device=self.device, dtype=self.dtype, pin=self.pin,
+                store=self.store, account=self.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks)
+            trainable.update(id(p) for layer in self.layers
+                             for p in streamed_params(layer, frozen_only=True).values())
         del stream_flats
-        move_frozen_and_buffers(model, self.device, self.dtype, trainable)
+        moved = move_frozen_and_buffers(model, self.device, self.dtype, trainable)
+        if moved:
+            self.account.add("device", "frozen", moved)
 
     def _enable_checkpointing(self) -> None:
         cfg = self.cfg
@@ -252,6 +265,19 @@ class Engine:
                               "delayed step would run beside the next backward's collectives; "
                               "drop delayed_update or run one process")
         return ZeroGroup(cfg.zero_stage, self.device)
+
+    @property
+    def streams_frozen_base(self) -> bool:
+        """offload_params on a model whose layers hold frozen parameters (LoRA's base): those are
+        streamed (offload/frozen_stream.py) and the trainable ones stay resident."""
+        if self.cfg.offload_params == "none" or self.layers is None:
+            return False
+        if not any(not p.requires_grad for layer in self.layers for p in layer.parameters()):
+            return False
+        if self.zero is not None:
+            raise ConfigError("a frozen base (LoRA) across data-parallel ranks is not built: run "
+                              "one process, or offload_params='none'")
+        return True
 
     @property
     def gathers_weights(self) -> bool:
@@ -299,8 +325,11 @@ class Engine:
 
     def _check_budgets(self) -> None:
         """Refuse, before allocating anything, a configuration whose tiers do not fit."""
+        frozen_layers, frozen_rest = frozen_numels(self.module, self.block_list_path)
         self.plan = plan_training([(b.numel, b.module is not None) for b in self.blocks],
-                                  self.cfg, self.device, world=self.world)
+                                  self.cfg, self.device, world=self.world,
+                                  frozen_layers=frozen_layers,
+                                  frozen_resident_bytes=frozen_rest * self.dtype.itemsize)
         self.plan.check()
 
     def _make_store(self):
@@ -332,8 +361,7 @@ class Engine:
                 if id(p) not in owned:
                     raise ConfigError(f"offload_params: parameter {name!r} of a block is frozen "
                                       f"or shared outside the block; streamed blocks must own "
-                                      f"all their parameters and train them (a frozen LoRA base "
-                                      f"is not streamed yet: use offload_params='none')")
+                                      f"all their parameters and train them")
 
     def _make_state(self):
         cfg = self.cfg

@@ -106,8 +106,10 @@ class BlockStreamer:
                  progress: Callable[[int], None] | None = None,
                  host_flats: Sequence[torch.Tensor | None] | None = None,
                  expected_crc32: Callable[[int], int | None] | None = None,
-                 shards=None, shard_files: Sequence[TensorRange | None] | None = None):
+                 shards=None, shard_files: Sequence[TensorRange | None] | None = None,
+                 frozen_only: bool = False):
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
+        self.frozen_only = frozen_only  # stream only parameters needing no gradient (LoRA base)
         self.cuda = self.device.type == "cuda"
         if len(residency) != len(layers):
             raise StreamError(f"residency lists {len(residency)} blocks, the model has {len(layers)}")
@@ -186,7 +188,7 @@ class BlockStreamer:
         else:
             out = layout_block(i, layer, self._files[i], residency=self.residency[i],
                                adopted=self._adopt[i] is not None, device=self.device,
-                               dtype=self.dtype, empty=self._empty)
+                               dtype=self.dtype, empty=self._empty, frozen_only=self.frozen_only)
         if out.host_values is not None:
             self._host_values[i] = out.host_values
         self._stored_dtype.append(out.stored_dtype)

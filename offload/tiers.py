@@ -28,7 +28,7 @@ import torch
 from offload.config import format_bytes
 
 Tier = Literal["device", "host", "nvme"]
-Kind = Literal["weights", "masters", "moments", "grads", "buffers", "activations", "kv_cache"]
+Kind = Literal["weights", "frozen", "masters", "moments", "grads", "buffers", "activations", "kv_cache"]
 TIERS: tuple[str, ...] = get_args(Tier)
 KINDS: tuple[str, ...] = get_args(Kind)
 

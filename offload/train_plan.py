@@ -108,21 +108,29 @@ def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtyp
 
 def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
                   device: torch.device | None = None,
-                  activations: ActivationEstimate | None = None, world: int = 1) -> TrainingPlan:
+                  activations: ActivationEstimate | None = None, world: int = 1,
+                  frozen_layers: list[int] | None = None,
+                  frozen_resident_bytes: int = 0) -> TrainingPlan:
     """Bytes per tier for training a model whose trainable parameters form `blocks`
     ((element count, is a ModuleList layer) each), under `cfg`; activations when estimated.
     `world` > 1: one of that many data-parallel ranks (cfg.zero_stage; offload/zero.py) --
     flat buffers padded to equal shards, optimizer state for rank 0's shard (the largest).
     The sum of what each component says it will allocate (its plan_bytes(), beside its
     constructor), so the plan cannot drift from the allocations: tests/test_plan_measured.py
-    builds every tier combination and compares the two."""
+    builds every tier combination and compares the two.
+    Frozen parameters (a LoRA base): `frozen_layers`, the elements of each layer's frozen
+    parameters, are streamed when offload_params is set (offload/frozen_stream.py; the
+    trainable blocks then stay resident), else resident on the device like
+    `frozen_resident_bytes` (frozen parameters outside the layers): "frozen" weights that never
+    get a gradient, master or moment."""
     device = device or cfg.resolve_device()
     sizes = [n for n, _ in blocks]
     layers = [i for i, (_, is_layer) in enumerate(blocks) if is_layer]
     itemsize = cfg.torch_dtype.itemsize
     # stage 3 across ranks streams every layer from this rank's shard of it (offload/zero.py)
     stage3 = world > 1 and cfg.zero_stage == 3
-    streamed = set(layers) if cfg.offload_params != "none" or stage3 else set()
+    frozen_streamed = bool(frozen_layers) and any(frozen_layers) and cfg.offload_params != "none"
+    streamed = set(layers) if (cfg.offload_params != "none" and not frozen_streamed) or stage3 else set()
     cuda = device.type == "cuda"
     # Host buffers that cross the link are pinned on a GPU, and pinned memory comes in powers
     # of two (offload/tiers.py, pinned_bytes): plan what they really take (desk review H4).
@@ -144,6 +152,13 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
             itemsize, cuda=cuda,
             pin=pin, host_ahead=1, nvme_ahead=cfg.prefetch_blocks, world=world if stage3 else 1,
             home="device" if stage3 and cfg.offload_params == "none" else "host"))
+    if frozen_streamed:
+        parts.append(TrainingStreamer.plan_bytes(  # FrozenBaseStreamer allocates the same
+            [n for n in frozen_layers if n], cfg.offload_params, itemsize, cuda=cuda, pin=pin,
+            host_ahead=1, nvme_ahead=cfg.prefetch_blocks))
+    frozen_device = frozen_resident_bytes + (0 if frozen_streamed else sum(frozen_layers or []) * itemsize)
+    if frozen_device:
+        parts.append({("device", "frozen"): frozen_device})
     if cfg.offload == "nvme":
         parts.append(NvmeState.plan_bytes(state_sizes, cfg.buffer_count, cfg.sub_group_size))
     else:

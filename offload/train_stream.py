@@ -65,70 +65,21 @@ def _first_grad_tensor(x: Any) -> torch.Tensor | None:
     return None
 
 
-class TrainingStreamer:
-    """Owns the BlockStreamer for the layers of a model in training and the 16-bit weights'
-    home tier ("cpu": pinned host buffers; "nvme": one swap file per block)."""
+class BlockHooks:
+    """The hooks that drive a BlockStreamer (`self.streamer`) over `self.layers` through forward
+    and backward (module docstring); shared by the trainable streamed blocks (TrainingStreamer)
+    and a LoRA model's frozen base (FrozenBaseStreamer)."""
 
-    def __init__(self, layers: nn.ModuleList, blocks: list[Block], layer_block: list[int],
-                 tier: str, *, device: torch.device, dtype: torch.dtype, pin: bool,
-                 flats16: list[torch.Tensor | None], store=None, account: MemoryAccount,
-                 host_ahead: int, nvme_ahead: int, fetch_delay_s: float = 0.0, shards=None,
-                 home: str = "host"):
-        """`shards` (ZeRO stage 3 across ranks, offload/zero.py ShardGather): `flats16` hold
-        only this rank's shard of each block (tier "cpu"), gathered from the other ranks at
-        each fetch; `home`: the account's tier for those flats ("device" when they live in
-        device memory: offload_params="none" at stage 3)."""
-        self.layers, self.blocks, self.tier = layers, blocks, tier
-        self.shards = shards
-        self.layer_block = layer_block  # layer index -> engine block index
-        self.store = store
-        n = len(layers)
-        host_flats: list[torch.Tensor | None] = [None] * n
-        files: list[list[TensorRange] | None] | None = None
-        shard_files: list[TensorRange] | None = None
-        # stage 3: the elements of this rank's shard of each layer (padded: equal shards)
-        self.shard_numel = ([shards.padded(blocks[b].numel) // shards.world for b in layer_block]
-                            if shards is not None else None)
-        if tier == "cpu":
-            for li in range(n):
-                flat = flats16[li]
-                if home == "host" and pin and torch.cuda.is_available() and not flat.is_pinned():
-                    pinned = host_empty(flat.numel(), dtype, pin=True)
-                    pinned.copy_(flat)
-                    flat = pinned
-                host_flats[li] = flat
-                account.add(home, "weights", flat.numel() * flat.element_size())
-        elif shards is not None:  # the engine wrote this rank's shard of each to a swap file
-            shard_files = [self._shard_range(blocks[layer_block[li]], dtype) for li in range(n)]
-            for f in shard_files:
-                account.add("nvme", "weights", f.nbytes)
-        else:
-            files = []  # the engine already wrote each block's weights to its swap file
-            for li in range(n):
-                block = blocks[layer_block[li]]
-                files.append(self._ranges(layers[li], block))
-                account.add("nvme", "weights", block.numel * dtype.itemsize)
-        self.streamer = BlockStreamer(layers, [tier] * n, device=device, dtype=dtype, files=files,
-                                      host_ahead=host_ahead, nvme_ahead=nvme_ahead,
-                                      io=store.engine if store is not None else None, pin=pin,
-                                      zero_copy_host=False, fetch_delay_s=fetch_delay_s,
-                                      host_flats=host_flats, expected_crc32=self._expected_crc32,
-                                      shards=shards, shard_files=shard_files)
-        # the streamer may have replaced Parameter objects (meta / other dtype): the engine's
-        # slots must name the ones the model now holds
-        for li in range(n):
-            ours, theirs = blocks[layer_block[li]].slots, self.streamer.blocks[li].slots
-            assert [s.numel for s in ours] == [s.numel for s in theirs], "block layout differs"
-            for a, b in zip(ours, theirs):
-                a.param = b.param
-        slot_bytes = sum(s.raw.numel() for s in self.streamer.slots)
-        account.add("device", "weights", slot_bytes)
-        account.add("host", "buffers", sum(s.raw.numel() for s in self.streamer.staging))
+    layers: nn.ModuleList
+    streamer: BlockStreamer
+
+    def _install_hooks(self) -> None:
+        n = len(self.layers)
         fwd = list(range(n))
         self.streamer.set_schedule(fwd + fwd[::-1], cyclic=False)
         self._hooks: list = []
         self._saving = None  # the saved-tensors hooks context of the block running forward
-        for li, layer in enumerate(layers):
+        for li, layer in enumerate(self.layers):
             self._hooks.append(layer.register_forward_pre_hook(
                 lambda m, args, kwargs, li=li: self._before_forward(li, args, kwargs),
                 with_kwargs=True))
@@ -136,67 +87,6 @@ class TrainingStreamer:
             # pre-hook entered, and releases its block (out is None then)
             self._hooks.append(layer.register_forward_hook(
                 lambda m, args, out, li=li: self._after_forward(li, out), always_call=True))
-
-    @staticmethod
-    def plan_bytes(layer_numels: list[int], tier: str, itemsize: int, *, cuda: bool,
-                   pin: Callable[[int], int], host_ahead: int, nvme_ahead: int,
-                   world: int = 1, home: str = "host") -> PlanBytes:
-        """What the constructor allocates for layers of these sizes streamed from `tier`: the
-        device slots (one running + the blocks in flight), the weights' home, and on a GPU the
-        pinned staging between disk and device (on the CPU, with weights stored in the compute
-        dtype, reads go straight into the slot). `world` > 1: ZeRO stage 3 -- slots hold the
-        padded block, the home (`home`: "host" or "device") one shard of each."""
-        from offload.zero import Shards
-        padded = [Shards(n, world).padded if world > 1 else n for n in layer_numels]
-        largest = max(padded) * itemsize
-        depth = nvme_ahead if tier == "nvme" else host_ahead
-        out = {("device", "weights"): (1 + depth) * BlockStreamer.slot_raw_bytes(largest, cuda)}
-        homes = [p // world * itemsize for p in padded]  # the whole block in one process
-        if tier == "cpu":
-            if home == "device":
-                out["device", "weights"] += sum(homes)
-            else:
-                out["host", "weights"] = sum(pin(b) for b in homes)
-        else:
-            out["nvme", "weights"] = sum(homes)
-            if cuda:
-                out["host", "buffers"] = nvme_ahead * pin(largest + ALIGN)
-        return out
-
-    def _expected_crc32(self, li: int) -> int | None:
-        """The CRC of layer li's latest weights file (the store records it at each write), when
-        the store verifies reads. Sound because no write of a block's weights is in flight while
-        the streamer reads it: the step writes them after the block's backward, and the update
-        waits for those writes before the next forward fetches anything."""
-        if self.store is None or self.store.verify == "never":
-            return None
-        entry = self.store.info(self.name(self.blocks[self.layer_block[li]]))
-        return entry.crc32 if entry.checksum == CHECKSUM else None  # the streamer's kind
-
-    @staticmethod
-    def name(block: Block) -> str:
-        return f"{block.name}.{WEIGHTS}"
-
-    def _shard_range(self, block: Block, dtype: torch.dtype) -> TensorRange:
-        """Where this rank's shard of a block's weights lies in its swap file (stage 3)."""
-        entry = self.store.info(self.name(block))
-        return TensorRange("shard", f"{self.store.dir}/{entry.file}", entry.offset, entry.nbytes,
-                           entry.dtype)
-
-    def _ranges(self, layer: nn.Module, block: Block) -> list[TensorRange]:
-        """The block's parameters as byte ranges of its swap file (flat, module order)."""
-        entry = self.store.info(self.name(block))
-        path = self.store.path(self.name(block)) if hasattr(self.store, "path") else \
-            f"{self.store.dir}/{entry.file}"
-        params = dict(layer.named_parameters())
-        ranges, pos = [], 0
-        item = entry.dtype.itemsize
-        for rel, p in params.items():
-            ranges.append(TensorRange(rel, path, entry.offset + pos * item, p.numel() * item,
-                                      entry.dtype))
-            pos += p.numel()
-        assert pos == block.numel
-        return ranges
 
     # -- hooks ------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -263,6 +153,135 @@ class TrainingStreamer:
         gradient never fired their release hook)."""
         self.streamer.release_all()
 
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.streamer.close()
+
+
+class TrainingStreamer(BlockHooks):
+    """Owns the BlockStreamer for the layers of a model in training and the 16-bit weights'
+    home tier ("cpu": pinned host buffers; "nvme": one swap file per block)."""
+
+    def __init__(self, layers: nn.ModuleList, blocks: list[Block], layer_block: list[int],
+                 tier: str, *, device: torch.device, dtype: torch.dtype, pin: bool,
+                 flats16: list[torch.Tensor | None], store=None, account: MemoryAccount,
+                 host_ahead: int, nvme_ahead: int, fetch_delay_s: float = 0.0, shards=None,
+                 home: str = "host"):
+        """`shards` (ZeRO stage 3 across ranks, offload/zero.py ShardGather): `flats16` hold
+        only this rank's shard of each block (tier "cpu"), gathered from the other ranks at
+        each fetch; `home`: the account's tier for those flats ("device" when they live in
+        device memory: offload_params="none" at stage 3)."""
+        self.layers, self.blocks, self.tier = layers, blocks, tier
+        self.shards = shards
+        self.layer_block = layer_block  # layer index -> engine block index
+        self.store = store
+        n = len(layers)
+        host_flats: list[torch.Tensor | None] = [None] * n
+        files: list[list[TensorRange] | None] | None = None
+        shard_files: list[TensorRange] | None = None
+        # stage 3: the elements of this rank's shard of each layer (padded: equal shards)
+        self.shard_numel = ([shards.padded(blocks[b].numel) // shards.world for b in layer_block]
+                            if shards is not None else None)
+        if tier == "cpu":
+            for li in range(n):
+                flat = flats16[li]
+                if home == "host" and pin and torch.cuda.is_available() and not flat.is_pinned():
+                    pinned = host_empty(flat.numel(), dtype, pin=True)
+                    pinned.copy_(flat)
+                    flat = pinned
+                host_flats[li] = flat
+                account.add(home, "weights", flat.numel() * flat.element_size())
+        elif shards is not None:  # the engine wrote this rank's shard of each to a swap file
+            shard_files = [self._shard_range(blocks[layer_block[li]], dtype) for li in range(n)]
+            for f in shard_files:
+                account.add("nvme", "weights", f.nbytes)
+        else:
+            files = []  # the engine already wrote each block's weights to its swap file
+            for li in range(n):
+                block = blocks[layer_block[li]]
+                files.append(self._ranges(layers[li], block))
+                account.add("nvme", "weights", block.numel * dtype.itemsize)
+        self.streamer = BlockStreamer(layers, [tier] * n, device=device, dtype=dtype, files=files,
+                                      host_ahead=host_ahead, nvme_ahead=nvme_ahead,
+                                      io=store.engine if store is not None else None, pin=pin,
+                                      zero_copy_host=False, fetch_delay_s=fetch_delay_s,
+                                      host_flats=host_flats, expected_crc32=self._expected_crc32,
+                                      shards=shards, shard_files=shard_files)
+        # the streamer may have replaced Parameter objects (meta / other dtype): the engine's
+        # slots must name the ones the model now holds
+        for li in range(n):
+            ours, theirs = blocks[layer_block[li]].slots, self.streamer.blocks[li].slots
+            assert [s.numel for s in ours] == [s.numel for s in theirs], "block layout differs"
+            for a, b in zip(ours, theirs):
+                a.param = b.param
+        slot_bytes = sum(s.raw.numel() for s in self.streamer.slots)
+        account.add("device", "weights", slot_bytes)
+        account.add("host", "buffers", sum(s.raw.numel() for s in self.streamer.staging))
+        self._install_hooks()
+
+    @staticmethod
+    def plan_bytes(layer_numels: list[int], tier: str, itemsize: int, *, cuda: bool,
+                   pin: Callable[[int], int], host_ahead: int, nvme_ahead: int,
+                   world: int = 1, home: str = "host") -> PlanBytes:
+        """What the constructor allocates for layers of these sizes streamed from `tier`: the
+        device slots (one running + the blocks in flight), the weights' home, and on a GPU the
+        pinned staging between disk and device (on the CPU, with weights stored in the compute
+        dtype, reads go straight into the slot). `world` > 1: ZeRO stage 3 -- slots hold the
+        padded block, the home (`home`: "host" or "device") one shard of each."""
+        from offload.zero import Shards
+        padded = [Shards(n, world).padded if world > 1 else n for n in layer_numels]
+        largest = max(padded) * itemsize
+        depth = nvme_ahead if tier == "nvme" else host_ahead
+        out = {("device", "weights"): (1 + depth) * BlockStreamer.slot_raw_bytes(largest, cuda)}
+        homes = [p // world * itemsize for p in padded]  # the whole block in one process
+        if tier == "cpu":
+            if home == "device":
+                out["device", "weights"] += sum(homes)
+            else:
+                out["host", "weights"] = sum(pin(b) for b in homes)
+        else:
+            out["nvme", "weights"] = sum(homes)
+            if cuda:
+                out["host", "buffers"] = nvme_ahead * pin(largest + ALIGN)
+        return out
+
+    def _expected_crc32(self, li: int) -> int | None:
+        """The CRC of layer li's latest weights file (the store records it at each write), when
+        the store verifies reads. Sound because no write of a block's weights is in flight while
+        the streamer reads it: the step writes them after the block's backward, and the update
+        waits for those writes before the next forward fetches anything."""
+        if self.store is None or self.store.verify == "never":
+            return None
+        entry = self.store.info(self.name(self.blocks[self.layer_block[li]]))
+        return entry.crc32 if entry.checksum == CHECKSUM else None  # the streamer's kind
+
+    @staticmethod
+    def name(block: Block) -> str:
+        return f"{block.name}.{WEIGHTS}"
+
+    def _shard_range(self, block: Block, dtype: torch.dtype) -> TensorRange:
+        """Where this rank's shard of a block's weights lies in its swap file (stage 3)."""
+        entry = self.store.info(self.name(block))
+        return TensorRange("shard", f"{self.store.dir}/{entry.file}", entry.offset, entry.nbytes,
+                           entry.dtype)
+
+    def _ranges(self, layer: nn.Module, block: Block) -> list[TensorRange]:
+        """The block's parameters as byte ranges of its swap file (flat, module order)."""
+        entry = self.store.info(self.name(block))
+        path = self.store.path(self.name(block)) if hasattr(self.store, "path") else \
+            f"{self.store.dir}/{entry.file}"
+        params = dict(layer.named_parameters())
+        ranges, pos = [], 0
+        item = entry.dtype.itemsize
+        for rel, p in params.items():
+            ranges.append(TensorRange(rel, path, entry.offset + pos * item, p.numel() * item,
+                                      entry.dtype))
+            pos += p.numel()
+        assert pos == block.numel
+        return ranges
+
     # -- the optimizer writes weights back to the tier ----------------------------------------
     def weight_target(self, li: int) -> torch.Tensor | None:
         """Where the step may write block li's new 16-bit weights in place (cpu tier)."""
@@ -284,9 +303,3 @@ class TrainingStreamer:
             self.streamer.host_buffer(li)[:flat16.numel()].copy_(flat16)
         else:
             self.write_weights(li, flat16).wait()  # stage 3: padded to the shard's length
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self.streamer.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload
-from offload.config import ConfigError, OffloadConfig
+from offload.config import OffloadConfig
 
 from test_engine import MLP, hf_loss, lm_batches, mlp_batches, mlp_loss
 
@@ -90,11 +90,31 @@ def test_streamed_with_injected_fetch_delay_is_identical(tmp_path):
     assert losses == ref_losses and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
-def test_streaming_refuses_frozen_block_params(tmp_path):
+@pytest.mark.parametrize("params", ["cpu", "nvme"])
+def test_frozen_block_params_are_streamed_and_the_rest_trains(params, tmp_path):
+    """A layer with a frozen parameter (any model, not only LoRA): offload_params streams the
+    frozen parameters (offload/frozen_stream.py) and the trainable ones stay resident; the
+    result equals plain PyTorch's AdamW over the same batches."""
+    from test_engine import reference_train
+    torch.manual_seed(0)
     model = MLP()
-    model.layers[1][0].bias.requires_grad_(False)
-    with pytest.raises(ConfigError, match="frozen"):
-        offload.initialize(model, _cfg(tmp_path, "x", offload_params="cpu"))
+    for layer in model.layers:
+        layer[0].weight.requires_grad_(False)
+    ref_model = copy.deepcopy(model)
+    batches = mlp_batches(6)
+    ref, _ = reference_train(ref_model, batches, mlp_loss, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                             wd=0.01, clip=0.0, accum=1, fused=True)
+    engine = offload.initialize(model, _cfg(tmp_path, "x", offload_params=params))
+    try:
+        assert type(engine.streaming).__name__ == "FrozenBaseStreamer"
+        for batch in batches:
+            engine.backward(mlp_loss(model, batch))
+            engine.step()
+        got = engine.master_params()
+    finally:
+        engine.close()
+    assert got.keys() == {n for n, p in ref_model.named_parameters() if p.requires_grad}
+    assert all(torch.equal(got[n], ref[n]) for n in got)
 
 
 @pytest.mark.parametrize("params,opt", [("none", "cpu"), ("none", "nvme"), ("nvme", "nvme")])

@@ -1,0 +1,112 @@
+"""A LoRA model's frozen base streamed through training (offload_params with adapters).
+
+With LoRA (offload/lora.py) every decoder layer holds a large frozen base and small trainable
+adapters. The engine trains the adapters as resident blocks; the base is what must not sit on
+the device: each layer's frozen parameters are streamed in just before the layer runs, in
+forward, in the recompute of activation checkpointing and in backward, exactly as
+TrainingStreamer streams trainable weights (the same hooks: train_stream.BlockHooks), with
+two differences:
+
+  * nothing is written back: the base never changes, so its home (a host buffer in the compute
+    dtype, or one swap file per layer written once at start) is read-only for the whole run and
+    the schedule needs no step between a backward and the next forward;
+  * only parameters that need no gradient are in the streamed block (BlockStreamer's
+    `frozen_only`); the adapters beside them keep their own storage and stay bound.
+
+Autograd still saves views of the base weights in forward (`linear` saves W for the input
+gradient); BlockHooks' saved-tensor hooks turn those into slot references rebuilt in backward.
+No gradient, master or moment ever exists for the base (the engine's blocks hold trainable
+parameters only), and the training plan counts the base's home and slots
+(offload/train_plan.py, `frozen_layers`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nvme.io import CHECKSUM
+from offload.block_layout import StreamError, TensorRange, streamed_params
+from offload.stream import BlockStreamer
+from offload.tiers import MemoryAccount, host_empty
+from offload.train_stream import BlockHooks
+
+FROZEN = "frozen16"  # swap-store kind of a layer's frozen base weights
+
+
+def frozen_layer_numels(layers: nn.ModuleList) -> list[int]:
+    """Elements of each layer's frozen parameters (what FrozenBaseStreamer streams)."""
+    return [sum(p.numel() for p in streamed_params(layer, frozen_only=True).values())
+            for layer in layers]
+
+
+class FrozenBaseStreamer(BlockHooks):
+    """Streams the frozen parameters of `layers` from `tier` ("cpu": host buffers, "nvme": one
+    swap file per layer in `store`) through forward and backward; see the module docstring."""
+
+    def __init__(self, layers: nn.ModuleList, tier: str, *, device: torch.device,
+                 dtype: torch.dtype, pin: bool, store, account: MemoryAccount, host_ahead: int,
+                 nvme_ahead: int, fetch_delay_s: float = 0.0):
+        if tier not in ("cpu", "nvme"):
+            raise StreamError(f"a frozen base streams from cpu or nvme, not {tier!r}")
+        self.layers, self.tier, self.store = layers, tier, store
+        n = len(layers)
+        host_flats: list[torch.Tensor | None] = [None] * n
+        files: list[list[TensorRange]] | None = [] if tier == "nvme" else None
+        for li, layer in enumerate(layers):  # one layer's base in RAM at a time
+            params = streamed_params(layer, frozen_only=True)
+            if not params:
+                raise StreamError(f"layer {li} has no frozen parameters to stream")
+            quantized = [name for name, p in params.items() if not p.is_floating_point()]
+            if quantized:
+                raise StreamError(f"layer {li}: frozen parameter {quantized[0]!r} is quantized; a "
+                                  f"quantized base (QLoRA) is not streamed in training yet: keep "
+                                  f"it resident (offload_params='none')")
+            meta = [name for name, p in params.items() if p.device.type == "meta"]
+            if meta:
+                raise StreamError(f"layer {li}: frozen parameter {meta[0]!r} is on the meta "
+                                  f"device; load the base weights before initialising the engine")
+            numel = sum(p.numel() for p in params.values())
+            flat = host_empty(numel, dtype, pin=pin and tier == "cpu")  # [numel], module order
+            pos = 0
+            for p in params.values():
+                flat[pos:pos + p.numel()].copy_(p.detach().reshape(-1))
+                pos += p.numel()
+            if tier == "cpu":
+                host_flats[li] = flat
+                account.add("host", "weights", flat.numel() * flat.element_size())
+            else:
+                store.write(self._name(li), flat).wait()
+                files.append(self._ranges(li, params))
+                account.add("nvme", "weights", flat.numel() * flat.element_size())
+                del flat
+        self.streamer = BlockStreamer(layers, [tier] * n, device=device, dtype=dtype, files=files,
+                                      host_ahead=host_ahead, nvme_ahead=nvme_ahead,
+                                      io=store.engine if store is not None else None, pin=pin,
+                                      zero_copy_host=False, fetch_delay_s=fetch_delay_s,
+                                      host_flats=host_flats, expected_crc32=self._expected_crc32,
+                                      frozen_only=True)
+        account.add("device", "weights", sum(s.raw.numel() for s in self.streamer.slots))
+        account.add("host", "buffers", sum(s.raw.numel() for s in self.streamer.staging))
+        self._install_hooks()
+
+    def _name(self, li: int) -> str:
+        return f"layer{li}.{FROZEN}"
+
+    def _ranges(self, li: int, params: dict[str, nn.Parameter]) -> list[TensorRange]:
+        """Layer li's frozen parameters as byte ranges of its swap file (module order)."""
+        entry = self.store.info(self._name(li))
+        path = f"{self.store.dir}/{entry.file}"
+        ranges, pos = [], 0
+        for rel, p in params.items():
+            nbytes = p.numel() * entry.dtype.itemsize
+            ranges.append(TensorRange(rel, path, entry.offset + pos, nbytes, entry.dtype))
+            pos += nbytes
+        return ranges
+
+    def _expected_crc32(self, li: int) -> int | None:
+        """The CRC the store recorded when it wrote layer li's base (written once, never again)."""
+        if self.store is None or self.store.verify == "never":
+            return None
+        entry = self.store.info(self._name(li))
+        return entry.crc32 if entry.checksum == CHECKSUM else None
