@@ -178,19 +178,29 @@ def frozen_numels(model: nn.Module, block_list: str | None) -> tuple[list[int], 
 
 
 def move_frozen_and_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                            trainable: set[int]) -> int:
+                            trainable: set[int], source: TensorFill | None = None) -> int:
     """Frozen parameters go to the device in the compute dtype; buffers keep their dtype
     (rotary frequencies and the like must stay fp32) but move to the device. `trainable`: ids
-    of the parameters already placed (trainable, or a streamed frozen base). Returns the bytes
-    of the frozen parameters now on the device."""
+    of the parameters already placed (trainable, or a streamed frozen base). Frozen parameters
+    on the meta device are filled by `source` (see gather_flat) in the compute dtype. Returns
+    the bytes of the frozen parameters now on the device."""
     moved = 0
-    for name, p in model.named_parameters():
-        if id(p) not in trainable:
-            if p.device.type == "meta":
+    for name, p in list(model.named_parameters()):
+        if id(p) in trainable:
+            continue
+        if p.device.type == "meta":
+            if source is None or not p.is_floating_point():
                 raise BlockError(f"frozen parameter {name!r} is on the meta device; materialise "
                                  f"frozen parameters before initialising the engine")
+            value = torch.empty(p.shape, dtype=dtype)
+            source({name: value})
+            owner, _, attr = name.rpartition(".")
+            # a meta Parameter cannot take real storage in place: replace it (as bind_views does)
+            setattr(model.get_submodule(owner) if owner else model, attr,
+                    nn.Parameter(value.to(device), requires_grad=False))
+        else:
             p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else p.dtype)
-            moved += p.numel() * p.element_size()
+        moved += p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
     for mod in model.modules():
         for key, buf in list(mod._buffers.items()):
             if buf is not None and buf.device != device and buf.device.type != "meta":

@@ -3,6 +3,9 @@ atomically.
 
     OUTPUT/checkpoint/
         model/               config.json + safetensors shards (transformers and runners.infer load it)
+                             -- or, where the caller writes the weights itself, what it writes
+                             (a LoRA run: adapter/, the adapters in PEFT's format; the frozen
+                             base is re-read from the original model on resume)
         engine/              masters, moments, loss scale, step counters (Engine.save_state)
         trainer_state.json   step, data position, RNG states, loss history, run arguments
 
@@ -19,7 +22,7 @@ import base64
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -73,9 +76,15 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
         torch.cuda.set_rng_state(decode(state["cuda"][0]), device)
 
 
+WeightsWriter = Callable[[Iterable[tuple[str, torch.Tensor]], str], Any]
+
+
 def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[str, Any],
-                    export_dtype: torch.dtype) -> str:
-    """Atomically (re)write `directory` with the model, the engine state and `trainer_state`."""
+                    export_dtype: torch.dtype, *, write_weights: WeightsWriter | None = None) -> str:
+    """Atomically (re)write `directory` with the model, the engine state and `trainer_state`.
+    `write_weights(params, new_checkpoint_dir)` writes the trained weights from the engine's
+    fp32 masters ((name, tensor) pairs, one block at a time; on rank 0 only): by default the
+    Hugging Face model in model/."""
     from offload.models import save_pretrained
 
     directory = os.path.abspath(directory)
@@ -94,8 +103,11 @@ def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[st
         engine.save_state(os.path.join(tmp, "engine"))
         params = engine.iter_master_params()
         if main:
-            save_pretrained(params, os.path.join(tmp, "model"), config=model_config,
-                            dtype=export_dtype)
+            if write_weights is None:
+                save_pretrained(params, os.path.join(tmp, "model"), config=model_config,
+                                dtype=export_dtype)
+            else:
+                write_weights(params, tmp)
             write_json_atomic(os.path.join(tmp, TRAINER_STATE), trainer_state)
             _fsync_tree(tmp)  # every rank's files: one machine or a shared filesystem
         else:

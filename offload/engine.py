@@ -31,6 +31,7 @@ from offload.block_layout import streamed_params
 from offload.blocks import (bind_views, frozen_numels, gather_flat, group_blocks,
                             move_frozen_and_buffers)
 from offload.frozen_stream import FrozenBaseStreamer
+from offload.lora import base_checkpoint_name
 from offload.config import ConfigError, OffloadConfig, as_config
 from offload.counters import TrainingCounters
 from offload import engine_state
@@ -222,14 +223,18 @@ class Engine:
                 shards=ShardGather(self.zero) if self.shards_weights else None,
                 home="device" if self.shards_weights and cfg.offload_params == "none" else "host")
             trainable.update(id(s.param) for bi in self.layer_of for s in self.blocks[bi].slots)
-        elif frozen_base:
+        # frozen parameters still on meta come from the source under their checkpoint names
+        fill_frozen = (lambda views: fill({base_checkpoint_name(n): v for n, v in views.items()})
+                       ) if fill is not None else None
+        if frozen_base:
             self.streaming = FrozenBaseStreamer(
                 self.layers, cfg.offload_params, device=self.device, dtype=self.dtype, pin=self.pin,
-                store=self.store, account=self.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks)
+                store=self.store, account=self.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks,
+                source=fill_frozen, prefix=f"{self.block_list_path}.")
             trainable.update(id(p) for layer in self.layers
                              for p in streamed_params(layer, frozen_only=True).values())
         del stream_flats
-        moved = move_frozen_and_buffers(model, self.device, self.dtype, trainable)
+        moved = move_frozen_and_buffers(model, self.device, self.dtype, trainable, fill_frozen)
         if moved:
             self.account.add("device", "frozen", moved)
 

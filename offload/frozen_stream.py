@@ -27,6 +27,7 @@ from torch import nn
 
 from nvme.io import CHECKSUM
 from offload.block_layout import StreamError, TensorRange, streamed_params
+from offload.blocks import TensorFill
 from offload.stream import BlockStreamer
 from offload.tiers import MemoryAccount, host_empty
 from offload.train_stream import BlockHooks
@@ -46,7 +47,11 @@ class FrozenBaseStreamer(BlockHooks):
 
     def __init__(self, layers: nn.ModuleList, tier: str, *, device: torch.device,
                  dtype: torch.dtype, pin: bool, store, account: MemoryAccount, host_ahead: int,
-                 nvme_ahead: int, fetch_delay_s: float = 0.0):
+                 nvme_ahead: int, fetch_delay_s: float = 0.0, source: TensorFill | None = None,
+                 prefix: str = ""):
+        """`source` fills base parameters still on the meta device (a checkpoint reader's
+        read_tensors_into, a seeded initialiser), one layer at a time, by their names
+        `prefix + "<layer>.<name in the layer>"`: a base larger than RAM never sits there."""
         if tier not in ("cpu", "nvme"):
             raise StreamError(f"a frozen base streams from cpu or nvme, not {tier!r}")
         self.layers, self.tier, self.store = layers, tier, store
@@ -62,16 +67,22 @@ class FrozenBaseStreamer(BlockHooks):
                 raise StreamError(f"layer {li}: frozen parameter {quantized[0]!r} is quantized; a "
                                   f"quantized base (QLoRA) is not streamed in training yet: keep "
                                   f"it resident (offload_params='none')")
-            meta = [name for name, p in params.items() if p.device.type == "meta"]
-            if meta:
-                raise StreamError(f"layer {li}: frozen parameter {meta[0]!r} is on the meta "
-                                  f"device; load the base weights before initialising the engine")
             numel = sum(p.numel() for p in params.values())
             flat = host_empty(numel, dtype, pin=pin and tier == "cpu")  # [numel], module order
-            pos = 0
-            for p in params.values():
-                flat[pos:pos + p.numel()].copy_(p.detach().reshape(-1))
+            pos, missing = 0, {}
+            for rel, p in params.items():
+                view = flat[pos:pos + p.numel()].view(p.shape)
+                if p.device.type == "meta":
+                    missing[f"{prefix}{li}.{rel}"] = view
+                else:
+                    view.copy_(p.detach())
                 pos += p.numel()
+            if missing:
+                if source is None:
+                    raise StreamError(f"layer {li}: frozen parameter {next(iter(missing))!r} is on "
+                                      f"the meta device and no source was given; pass source= or "
+                                      f"load the base weights before initialising the engine")
+                source(missing)
             if tier == "cpu":
                 host_flats[li] = flat
                 account.add("host", "weights", flat.numel() * flat.element_size())

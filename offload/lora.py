@@ -208,6 +208,13 @@ class LoraLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
 
 
+def base_checkpoint_name(name: str) -> str:
+    """A parameter name of a LoRA-wrapped model -> the base checkpoint's name for it
+    ("...q_proj.base_layer.weight" -> "...q_proj.weight"): how a frozen base is filled from the
+    checkpoint it came from."""
+    return name.replace(".base_layer.", ".")
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
     """Module path -> LoraLinear, in the model's module order."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}

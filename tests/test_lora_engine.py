@@ -115,3 +115,32 @@ def test_lora_plan_equals_measured_allocation(mode, params, tmp_path):
     else:  # only the embeddings, final norm and head stay; the layers' base is in its tier
         assert frozen_device == 2 * (base - layers)
         assert planned[("host" if params == "cpu" else "nvme", "weights")] == 2 * layers
+
+
+@pytest.mark.parametrize("params", ["none", "nvme"])
+def test_base_on_meta_is_filled_from_the_source(params, tmp_path):
+    """A base larger than RAM is never materialised whole: built on meta, wrapped, and filled
+    from `source` by its checkpoint names (`q_proj.base_layer.weight` <- `q_proj.weight`), one
+    layer at a time into its swap file (or onto the device): the same training as the
+    materialised model's."""
+    from offload.models.llama import seeded_init
+    cfg_model = preset("tiny")
+    lora = LoraConfig(rank=4, alpha=8, targets=("q", "v", "down"))
+    want_model = build_model(cfg_model, device="cpu", source=0)
+    apply_lora(want_model, lora, seed=1)
+    meta_model = build_model(cfg_model)  # on meta: nothing allocated
+    apply_lora(meta_model, lora, seed=1)
+    batches = lm_batches(4, cfg_model.vocab_size)
+    results = []
+    for model, kw in ((want_model, {}), (meta_model, {"offload_params": params})):
+        cfg = _cfg("cpu", tmp_path, exact_optimizer=False, nvme_dir=str(tmp_path / f"s{len(results)}"), **kw)
+        engine = offload.initialize(model, cfg, source=seeded_init(0, cfg_model.initializer_range))
+        try:
+            for batch in batches:
+                engine.backward(hf_loss(model, batch))
+                engine.step()
+            results.append(engine.master_params())
+        finally:
+            engine.close()
+    assert results[0].keys() == results[1].keys()
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
