@@ -230,7 +230,11 @@ class Engine:
             self.streaming = FrozenBaseStreamer(
                 self.layers, cfg.offload_params, device=self.device, dtype=self.dtype, pin=self.pin,
                 store=self.store, account=self.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks,
-                source=fill_frozen, prefix=f"{self.block_list_path}.")
+                source=fill_frozen, prefix=f"{self.block_list_path}.",
+                # a quantized base (QLoRA) is streamed from its block files as they are
+                files=([source.layer_ranges(i) for i in range(len(self.layers))]
+                       if hasattr(source, "layer_ranges") else None),
+                checkpoint_name=base_checkpoint_name)
             trainable.update(id(p) for layer in self.layers
                              for p in streamed_params(layer, frozen_only=True).values())
         del stream_flats

@@ -22,6 +22,8 @@ parameters only), and the training plan counts the base's home and slots
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -48,14 +50,23 @@ class FrozenBaseStreamer(BlockHooks):
     def __init__(self, layers: nn.ModuleList, tier: str, *, device: torch.device,
                  dtype: torch.dtype, pin: bool, store, account: MemoryAccount, host_ahead: int,
                  nvme_ahead: int, fetch_delay_s: float = 0.0, source: TensorFill | None = None,
-                 prefix: str = ""):
+                 prefix: str = "", files: list[list[TensorRange]] | None = None,
+                 checkpoint_name: Callable[[str], str] = lambda name: name):
         """`source` fills base parameters still on the meta device (a checkpoint reader's
         read_tensors_into, a seeded initialiser), one layer at a time, by their names
-        `prefix + "<layer>.<name in the layer>"`: a base larger than RAM never sits there."""
+        `prefix + "<layer>.<name in the layer>"`: a base larger than RAM never sits there.
+        `files`: each layer's base is already stored, as raw byte ranges named by
+        `checkpoint_name(parameter name)` -- a quantized base (QLoRA: offload/models/quantized.py's
+        block files), streamed as a byte block exactly as inference streams it; nothing is
+        copied or written at start."""
         if tier not in ("cpu", "nvme"):
             raise StreamError(f"a frozen base streams from cpu or nvme, not {tier!r}")
         self.layers, self.tier, self.store = layers, tier, store
         n = len(layers)
+        if files is not None:
+            self._start_byte_blocks(layers, tier, device, files, checkpoint_name, host_ahead,
+                                    nvme_ahead, pin, fetch_delay_s, account)
+            return
         host_flats: list[torch.Tensor | None] = [None] * n
         files: list[list[TensorRange]] | None = [] if tier == "nvme" else None
         for li, layer in enumerate(layers):  # one layer's base in RAM at a time
@@ -97,6 +108,30 @@ class FrozenBaseStreamer(BlockHooks):
                                       zero_copy_host=False, fetch_delay_s=fetch_delay_s,
                                       host_flats=host_flats, expected_crc32=self._expected_crc32,
                                       frozen_only=True)
+        account.add("device", "weights", sum(s.raw.numel() for s in self.streamer.slots))
+        account.add("host", "buffers", sum(s.raw.numel() for s in self.streamer.staging))
+        self._install_hooks()
+
+    def _start_byte_blocks(self, layers, tier, device, files, checkpoint_name, host_ahead,
+                           nvme_ahead, pin, fetch_delay_s, account) -> None:
+        """The base is in files already (a quantized base): each layer's frozen parameters are
+        mapped onto their stored ranges and streamed as one byte block, every parameter in its
+        own dtype (codes, fp16 scales, norms)."""
+        renamed = []
+        for li, layer in enumerate(layers):
+            stored = {r.name: r for r in files[li]}
+            ranges = []
+            for rel in streamed_params(layer, frozen_only=True):
+                r = stored.get(checkpoint_name(rel))
+                if r is None:
+                    raise StreamError(f"layer {li}: the stored base has no {checkpoint_name(rel)!r}")
+                ranges.append(TensorRange(rel, r.path, r.offset, r.nbytes, r.dtype))
+            renamed.append(ranges)
+            account.add("nvme" if tier == "nvme" else "host", "weights", sum(r.nbytes for r in ranges))
+        self.streamer = BlockStreamer(layers, [tier] * len(layers), device=device,
+                                      dtype=torch.uint8, files=renamed, host_ahead=host_ahead,
+                                      nvme_ahead=nvme_ahead, pin=pin, zero_copy_host=False,
+                                      fetch_delay_s=fetch_delay_s, frozen_only=True)
         account.add("device", "weights", sum(s.raw.numel() for s in self.streamer.slots))
         account.add("host", "buffers", sum(s.raw.numel() for s in self.streamer.staging))
         self._install_hooks()

@@ -343,8 +343,12 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
         raise QuantError(f"x is on {x.device}, the quantized weight on {qw.device}: move one of them")
     out_f = qw.shape[0]
     x2d = x.reshape(-1, in_features)
-    if kernel is None:  # autograd cannot go through the chunks' out= products
-        kernel = "dense" if torch.is_grad_enabled() and x.requires_grad else kernel_for(spec, in_features, x2d)
+    if kernel is None:
+        # Outside inference mode (training, its checkpointed no-grad forwards and their
+        # recompute, evaluation) always the dense product: autograd cannot go through the
+        # chunks' out= products, and a checkpointed forward must compute exactly what its
+        # recompute does (the fast kernels round differently), as models.llama.project does
+        kernel = kernel_for(spec, in_features, x2d) if torch.is_inference_mode_enabled() else "dense"
     elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d)) or (
             kernel == "c" and not quant_cpu.applies(spec, in_features, x2d)):
         raise QuantError(f"kernel={kernel!r}: use dense or chunked (fused: per-channel int8, bf16 x "

@@ -44,6 +44,8 @@ def main() -> None:
     p.add_argument("--targets", default="q,k,v,o,gate,up,down")
     p.add_argument("--seq", type=int, default=32, help="tokens in the one sequence of the batch")
     p.add_argument("--updates", type=int, default=1)
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="layers read ahead from NVMe (each one more device slot of a layer's base)")
     p.add_argument("--dir", default=None, help="swap directory (default: a temporary one, removed)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -55,7 +57,8 @@ def main() -> None:
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     swap = args.dir or tempfile.mkdtemp(prefix="offload-lora-")
     cfg = OffloadConfig(offload="cpu", offload_params="nvme", dtype="bf16", device="cpu",
-                        nvme_dir=swap, activation_checkpointing=True, lr=1e-4)
+                        nvme_dir=swap, activation_checkpointing=True, lr=1e-4,
+                        prefetch_blocks=args.prefetch)
     rows = []
     try:
         t0 = time.perf_counter()

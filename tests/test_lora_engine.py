@@ -144,3 +144,58 @@ def test_base_on_meta_is_filled_from_the_source(params, tmp_path):
             engine.close()
     assert results[0].keys() == results[1].keys()
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
+
+
+@pytest.mark.parametrize("params", ["cpu", "nvme"])
+def test_qlora_over_a_streamed_int4_base(params, tmp_path):
+    """QLoRA: the base's projections are int4 blocks (offload/models/quantized.py), streamed as
+    the byte blocks they are stored as (from RAM or straight from their files) through forward,
+    recompute and backward, dequantized at each product; the adapters train exactly as over a
+    plain base holding the dequantized weights, with torch's AdamW(fused=True)."""
+    from safetensors.torch import load_file
+
+    from offload.models import CheckpointReader, save_pretrained
+    from offload.models.quantized import (QuantizedSource, QuantSettings, block_file,
+                                          quantize_checkpoint, quantize_layers)
+    from offload.quant import dequantize
+
+    cfg_model = preset("tiny")
+    lora = LoraConfig(rank=4, alpha=8, targets=("q", "v", "down"))
+    save_pretrained(build_model(cfg_model, device="cpu", source=0), tmp_path / "base")
+    batches = lm_batches(4, cfg_model.vocab_size)
+    with CheckpointReader(str(tmp_path / "base")) as reader:
+        blocks = quantize_checkpoint(reader, QuantSettings("int4", 32), torch.float32,
+                                     cache_root=str(tmp_path / "cache"))
+        # the reference: a plain model whose projections hold the dequantized int4 weights
+        ref_model = build_model(cfg_model, device="cpu", source=reader)
+        for i, layer in enumerate(ref_model.model.layers):
+            stored = load_file(block_file(blocks.path, i))
+            for proj, spec in blocks.specs[i].items():
+                lin = layer.get_submodule(proj)
+                parts = {k: stored[f"{proj}.{k}"] for k in ("qweight", "scales", "mins")}
+                with torch.no_grad():
+                    lin.weight.copy_(dequantize(parts, spec, lin.in_features, torch.float32))
+        apply_lora(ref_model, lora, seed=1)
+        ref, ref_losses = reference_train(ref_model, batches, hf_loss, lr=1e-2, betas=(0.9, 0.99),
+                                          eps=1e-8, wd=0.01, clip=0.0, accum=1, fused=True)
+        # ours: built on meta with int4 projections, wrapped, base streamed from its block files
+        model = build_model(cfg_model)
+        quantize_layers(model, blocks.specs, torch.float32)
+        apply_lora(model, lora, seed=1)
+        cfg = _cfg("cpu", tmp_path, exact_optimizer=False, offload_params=params,
+                   nvme_dir=str(tmp_path / "swap"), activation_checkpointing=True)
+        engine = offload.initialize(model, cfg, source=QuantizedSource(reader, blocks))
+        try:
+            losses = []
+            for batch in batches:
+                loss = hf_loss(model, batch)
+                engine.backward(loss)
+                losses.append(loss.item())
+                engine.step()
+            masters = engine.master_params()
+            assert type(engine.streaming).__name__ == "FrozenBaseStreamer"
+        finally:
+            engine.close()
+    assert masters.keys() == {n for n, p in ref_model.named_parameters() if p.requires_grad}
+    assert max_rel_diff(masters, {n: ref[n] for n in masters}) <= 1e-6
+    assert losses == pytest.approx(ref_losses, rel=1e-5)

@@ -378,3 +378,15 @@ print((hwm() - base) / (V * H * 4))
                        env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert r.returncode == 0, r.stderr
     assert float(r.stdout) < 2.5  # nn.Linear's transposed-view gradient: 3.0
+
+
+def test_chunked_init_draws_the_same_values(monkeypatch):
+    """init_parameter_ draws large tensors in chunks (bounded temporaries); the values are the
+    ones a single draw from the same generator gives, so seeded checkpoints do not change."""
+    from offload.models import llama
+    from offload.models.llama import init_parameter_, param_seed
+    monkeypatch.setattr(llama, "INIT_CHUNK", 1 << 10)
+    out = torch.empty(37, 301)  # 11137 values: ten full chunks and a partial one
+    init_parameter_("model.layers.0.mlp.up_proj.weight", out, 3, 0.02)
+    gen = torch.Generator().manual_seed(param_seed(3, "model.layers.0.mlp.up_proj.weight"))
+    assert torch.equal(out, torch.empty(37, 301).normal_(0.0, 0.02, generator=gen))

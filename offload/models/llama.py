@@ -429,6 +429,9 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta", dtype: to
     return model
 
 
+INIT_CHUNK = 1 << 22  # values per draw in init_parameter_ (a multiple of 16: see there)
+
+
 def param_seed(seed: int, name: str) -> int:
     """A generator seed for one named tensor: each tensor's random values depend on the run's
     seed and its own name only, not on which other tensors were drawn before it."""
@@ -444,8 +447,15 @@ def init_parameter_(name: str, out: torch.Tensor, seed: int, std: float) -> None
     elif name.endswith(".bias"):
         out.zero_()
     else:
+        # drawn INIT_CHUNK values at a time into an fp32 temporary: one draw of a whole 8B
+        # embedding made a 2 GB temporary. The same generator drawn in chunks that are
+        # multiples of 16 (torch's normal_ fills 16 at a time) gives the same values as one
+        # draw (tests/test_models.py::test_chunked_init_draws_the_same_values).
         gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
-        out.copy_(torch.empty(out.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+        flat = out.view(-1)
+        for start in range(0, flat.numel(), INIT_CHUNK):
+            part = flat[start:start + INIT_CHUNK]
+            part.copy_(torch.empty(part.numel(), dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
 def seeded_init(seed: int, std: float) -> Callable[[Mapping[str, torch.Tensor]], None]:

@@ -199,6 +199,21 @@ class QuantizedBlocks:
                 for n, t in infos.items()]
 
 
+class QuantizedSource:
+    """What `offload.initialize(model, cfg, source=...)` needs to train over a quantized base
+    (QLoRA): the non-block weights from `reader`, each layer's quantized base as the raw byte
+    ranges of its block file (offload/frozen_stream.py streams them as they are stored)."""
+
+    def __init__(self, reader, blocks: "QuantizedBlocks"):
+        self.reader, self.blocks = reader, blocks
+
+    def read_tensors_into(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.reader.read_tensors_into(tensors)
+
+    def layer_ranges(self, layer: int) -> list[TensorRange]:
+        return self.blocks.ranges(layer)
+
+
 def _manifest(path: str) -> dict | None:
     try:
         with open(os.path.join(path, "manifest.json")) as f:

@@ -1,0 +1,159 @@
+"""The runners' LoRA half: `runners.finetune --lora-rank` writes a PEFT adapter that peft loads
+(and with --merge a merged model transformers loads, equal to base + adapter), a stopped and
+resumed LoRA run ends bit-identical to an uninterrupted one, `runners.infer --adapter` generates
+the tokens transformers + peft generate on every weight tier, and every bad flag is one line.
+A tiny model (hidden 64, 4 layers), a small corpus, a few updates: seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from nvme.format import SafetensorsFile
+from offload.models import build_model, preset, save_pretrained
+from runners.common import run_main
+from runners.finetune import main
+from runners.infer import main as infer_main
+from tests.test_finetune import _bad, _engine_state, _losses
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+IDS = [3, 14, 15, 92, 65, 35]
+NEW = 8
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--lora-targets", "q,v,down"]
+
+
+def _base(path, seed: int) -> str:
+    # a wide init: the tiny model's greedy tokens then vary with the prompt and the adapter
+    cfg = preset("tiny").replace(initializer_range=0.2, eos_token_id=None)
+    save_pretrained(build_model(cfg, "cpu", torch.float32, source=seed), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished LoRA run with --merge: {base, other_base, data, out, fast (its flags)}."""
+    root = tmp_path_factory.mktemp("lora_run")
+    data = root / "corpus.txt"  # ~10 KB: 15 held-out sequences, so evaluating costs little
+    data.write_text("".join(f"Line {i}: the adapter learns what the frozen base does not.\n"
+                            for i in range(160)))
+    fast = ["--model", _base(root / "base", 21), "--data", str(data), "--steps", "6",
+            "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--warmup-steps", "1",
+            "--lr", "1e-2", "--no-progress"] + LORA
+    out = str(root / "full")
+    assert main(fast + ["--output", out, "--merge"]) == 0
+    return {"base": fast[1], "other_base": _base(root / "other", 22), "data": str(data),
+            "out": out, "fast": fast}
+
+
+def _with(flags: list[str], flag: str, value: str) -> list[str]:
+    """`flags` with `flag`'s value replaced."""
+    i = flags.index(flag)
+    return flags[:i + 1] + [value] + flags[i + 2:]
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    with SafetensorsFile(path) as f:
+        return {k: f.read(k) for k in f.tensors}
+
+
+def _peft_model(run):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(run["base"], dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(hf, os.path.join(run["out"], "adapter")).eval()
+
+
+def test_adapter_loads_in_peft_and_the_merged_model_matches(run):
+    adapter = os.path.join(run["out"], "adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        config = json.load(f)
+    assert config["base_model_name_or_path"] == os.path.abspath(run["base"])
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, ["q_proj", "v_proj", "down_proj"])
+    saved = _tensors(os.path.join(adapter, "adapter_model.safetensors"))
+    assert max(t.abs().max().item() for k, t in saved.items() if ".lora_B." in k) > 1e-3  # trained
+    # the checkpoint holds the same adapter, and no copy of the base
+    assert sorted(os.listdir(os.path.join(run["out"], "checkpoint"))) == ["adapter", "engine",
+                                                                         "trainer_state.json"]
+    inner = _tensors(os.path.join(run["out"], "checkpoint", "adapter", "adapter_model.safetensors"))
+    assert inner.keys() == saved.keys() and all(torch.equal(inner[k], saved[k]) for k in saved)
+
+    model = _peft_model(run)
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert {k.replace(".default", "") for k in loaded} == set(saved)
+    assert all(torch.equal(v, saved[k.replace(".default", "")]) for k, v in loaded.items())
+    merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(run["out"], "model"),
+                                                               dtype=torch.float32)
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        want, got = model(ids).logits, merged(ids).logits
+        base = model.get_base_model()
+        with model.disable_adapter():
+            plain = base(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # merging rounds differently
+    assert (plain - want).abs().max() > 1e-3  # the adapter changes the model
+
+
+def test_resume_is_exact(run, tmp_path):
+    part = str(tmp_path / "part")
+    assert main(run["fast"] + ["--output", part, "--stop-after", "3"]) == 0
+    assert main(run["fast"] + ["--output", part, "--resume", part]) == 0
+    assert _losses(part) == _losses(run["out"])
+    a = _tensors(os.path.join(run["out"], "adapter", "adapter_model.safetensors"))
+    b = _tensors(os.path.join(part, "adapter", "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = _engine_state(run["out"]), _engine_state(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not os.path.exists(os.path.join(part, "model"))  # no --merge: no copy of the base
+
+
+def test_infer_adapter_matches_transformers_peft(run, tmp_path, capsys):
+    model = _peft_model(run)
+    want = model.generate(input_ids=torch.tensor([IDS]), max_new_tokens=NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(IDS):].tolist()
+    for weights in ("device", "cpu", "nvme"):  # resident, and streamed from RAM and from disk
+        out = tmp_path / f"{weights}.json"
+        rc = run_main(infer_main, ["--model", run["base"], "--adapter", os.path.join(run["out"], "adapter"),
+                                   "--prompt-ids", ",".join(map(str, IDS)), "--max-new-tokens", str(NEW),
+                                   "--weights", weights, "--probe-seconds", "0.05", "--output-json", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        assert "not merged" in err
+        with open(out) as f:
+            assert json.load(f)["generated_ids"] == [want], weights
+
+
+def test_bad_lora_flags_are_one_line(run, tmp_path, capsys):
+    out = ["--output", str(tmp_path / "o")]
+    _bad(out + ["--lora-alpha", "8"], capsys, "--lora-alpha is a LoRA setting")
+    _bad(out + ["--merge"], capsys, "--merge folds trained LoRA adapters")
+    _bad(out + ["--lora-rank", "-1"], capsys, "--lora-rank must be >= 1")
+    _bad(out + ["--lora-rank", "4", "--lora-dropout", "1"], capsys, "--lora-dropout: LoRA dropout")
+    _bad(out + ["--lora-rank", "4", "--lora-targets", "q,lm_head"], capsys, "--lora-targets: unknown")
+    _bad(out + ["--lora-rank", "4", "--offload-params", "cpu"], capsys, "--offload-params cpu with --lora-rank")
+    _bad(out + ["--lora-rank", "4", "--offload", "auto"], capsys, "--offload auto with --lora-rank")
+    # a resume must keep the LoRA settings and the base the adapters were trained on
+    resume = ["--resume", run["out"], "--output", str(tmp_path / "r")]
+    _bad(_with(run["fast"], "--lora-rank", "8") + resume, capsys, "LoRA (--lora-rank")
+    _bad(_with(run["fast"], "--model", run["other_base"]) + resume, capsys,
+         "the base model's weights differ")
+    _bad(run["fast"][:-len(LORA)] + resume, capsys, "None (the checkpoint has 'rank 4, alpha 8.0")
+    # runners.infer: an adapter that is not there, or made for another model's shapes
+    for adapter, phrase in ((tmp_path / "none", "is not a directory"),
+                            (os.path.join(run["out"], "adapter"), "made for other targets or another model")):
+        rc = run_main(infer_main, ["--model", "small", "--adapter", str(adapter), "--dry-run"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and err[-1].startswith("error: ") and phrase in err[-1], err
+
+
+def test_dry_run_counts_the_adapters_and_the_frozen_base(tmp_path, capsys):
+    assert main(["--dry-run", "--lora-rank", "8", "--output", str(tmp_path / "d")]) == 0
+    text = capsys.readouterr().out
+    assert "lora      rank 8, alpha 16 (scaling 2)" in text
+    # per layer, rank x (in + out) of q, o (64 -> 64), k, v (64 -> 32), gate, up, down (64 <-> 176)
+    trainable = 4 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 176))
+    assert f"{trainable / 1e6:.3f}M trainable parameters of" in text
+    assert "frozen 1.21 MiB" in text and "stays on the device" in text
+    assert "memory estimator" not in text  # the ZeRO table prices a full fine-tune
