@@ -163,17 +163,24 @@ def gather_flat(block: Block, dtype: torch.dtype, out: torch.Tensor | None = Non
     return out
 
 
-def frozen_numels(model: nn.Module, block_list: str | None) -> tuple[list[int], int]:
-    """(elements of each ModuleList layer's frozen parameters, elements of the frozen
-    parameters outside the layers): what a LoRA base (or any frozen part) holds, for the plan."""
+def frozen_bytes(model: nn.Module, block_list: str | None, dtype: torch.dtype,
+                 own_dtypes: bool = False) -> tuple[list[int], int]:
+    """(bytes of each ModuleList layer's frozen parameters, bytes of the frozen parameters
+    outside the layers): what a LoRA base (or any frozen part) holds, for the plan. Floating
+    parameters count in the compute `dtype` (where the engine puts them), others in their own;
+    `own_dtypes`: the layers' in their own dtypes too (a quantized base streamed as stored)."""
+    def nbytes(p: nn.Parameter, own: bool) -> int:
+        return p.numel() * (dtype.itemsize if p.is_floating_point() and not own else p.element_size())
+
     layers = model.get_submodule(block_list) if block_list is not None else None
     in_layers: set[int] = set()
     per_layer = []
     for layer in layers if layers is not None else []:
         frozen = [p for p in layer.parameters() if not p.requires_grad and id(p) not in in_layers]
         in_layers.update(id(p) for p in frozen)
-        per_layer.append(sum(p.numel() for p in frozen))
-    rest = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in in_layers)
+        per_layer.append(sum(nbytes(p, own_dtypes) for p in frozen))
+    rest = sum(nbytes(p, False) for p in model.parameters()
+               if not p.requires_grad and id(p) not in in_layers)
     return per_layer, rest
 
 

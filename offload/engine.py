@@ -28,7 +28,7 @@ from torch import nn
 from offload.activations import (ActivationStore, disable_activation_checkpointing,
                                  enable_activation_checkpointing)
 from offload.block_layout import streamed_params
-from offload.blocks import (bind_views, frozen_numels, gather_flat, group_blocks,
+from offload.blocks import (bind_views, frozen_bytes, gather_flat, group_blocks,
                             move_frozen_and_buffers)
 from offload.frozen_stream import FrozenBaseStreamer
 from offload.lora import base_checkpoint_name
@@ -100,7 +100,7 @@ class Engine:
         self.last_report = StepReport()
         self._pending = StepReport()
         path, self.overlap_why = cfg.step_path(self.world)  # how the step meets backward, and why
-        self._check_budgets()
+        self._check_budgets(source)
         if self.pin:
             # the pinned-memory cap is fixed now, from the RAM available before this engine
             # allocates anything: measured per request, every earlier (pageable) allocation
@@ -332,13 +332,15 @@ class Engine:
         rest = [i for i, b in enumerate(self.blocks) if b.module is None]
         return layers[::-1] + rest
 
-    def _check_budgets(self) -> None:
+    def _check_budgets(self, source: Any) -> None:
         """Refuse, before allocating anything, a configuration whose tiers do not fit."""
-        frozen_layers, frozen_rest = frozen_numels(self.module, self.block_list_path)
+        # a quantized base (QLoRA) streams in its stored dtypes, a 16-bit one in the compute dtype
+        frozen_layers, frozen_rest = frozen_bytes(self.module, self.block_list_path, self.dtype,
+                                                  own_dtypes=hasattr(source, "layer_ranges"))
         self.plan = plan_training([(b.numel, b.module is not None) for b in self.blocks],
                                   self.cfg, self.device, world=self.world,
-                                  frozen_layers=frozen_layers,
-                                  frozen_resident_bytes=frozen_rest * self.dtype.itemsize)
+                                  frozen_layer_bytes=frozen_layers,
+                                  frozen_resident_bytes=frozen_rest)
         self.plan.check()
 
     def _make_store(self):

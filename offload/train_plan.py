@@ -109,7 +109,7 @@ def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtyp
 def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
                   device: torch.device | None = None,
                   activations: ActivationEstimate | None = None, world: int = 1,
-                  frozen_layers: list[int] | None = None,
+                  frozen_layer_bytes: list[int] | None = None,
                   frozen_resident_bytes: int = 0) -> TrainingPlan:
     """Bytes per tier for training a model whose trainable parameters form `blocks`
     ((element count, is a ModuleList layer) each), under `cfg`; activations when estimated.
@@ -118,9 +118,9 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     The sum of what each component says it will allocate (its plan_bytes(), beside its
     constructor), so the plan cannot drift from the allocations: tests/test_plan_measured.py
     builds every tier combination and compares the two.
-    Frozen parameters (a LoRA base): `frozen_layers`, the elements of each layer's frozen
-    parameters, are streamed when offload_params is set (offload/frozen_stream.py; the
-    trainable blocks then stay resident), else resident on the device like
+    Frozen parameters (a LoRA base): `frozen_layer_bytes`, each layer's frozen parameters
+    (blocks.frozen_bytes), are streamed when offload_params is set (offload/frozen_stream.py;
+    the trainable blocks then stay resident), else resident on the device like
     `frozen_resident_bytes` (frozen parameters outside the layers): "frozen" weights that never
     get a gradient, master or moment."""
     device = device or cfg.resolve_device()
@@ -129,7 +129,7 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     itemsize = cfg.torch_dtype.itemsize
     # stage 3 across ranks streams every layer from this rank's shard of it (offload/zero.py)
     stage3 = world > 1 and cfg.zero_stage == 3
-    frozen_streamed = bool(frozen_layers) and any(frozen_layers) and cfg.offload_params != "none"
+    frozen_streamed = bool(frozen_layer_bytes) and any(frozen_layer_bytes) and cfg.offload_params != "none"
     streamed = set(layers) if (cfg.offload_params != "none" and not frozen_streamed) or stage3 else set()
     cuda = device.type == "cuda"
     # Host buffers that cross the link are pinned on a GPU, and pinned memory comes in powers
@@ -154,9 +154,9 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
             home="device" if stage3 and cfg.offload_params == "none" else "host"))
     if frozen_streamed:
         parts.append(TrainingStreamer.plan_bytes(  # FrozenBaseStreamer allocates the same
-            [n for n in frozen_layers if n], cfg.offload_params, itemsize, cuda=cuda, pin=pin,
+            [n for n in frozen_layer_bytes if n], cfg.offload_params, 1, cuda=cuda, pin=pin,
             host_ahead=1, nvme_ahead=cfg.prefetch_blocks))
-    frozen_device = frozen_resident_bytes + (0 if frozen_streamed else sum(frozen_layers or []) * itemsize)
+    frozen_device = frozen_resident_bytes + (0 if frozen_streamed else sum(frozen_layer_bytes or []))
     if frozen_device:
         parts.append({("device", "frozen"): frozen_device})
     if cfg.offload == "nvme":

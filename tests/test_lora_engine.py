@@ -194,6 +194,12 @@ def test_qlora_over_a_streamed_int4_base(params, tmp_path):
                 engine.step()
             masters = engine.master_params()
             assert type(engine.streaming).__name__ == "FrozenBaseStreamer"
+            # the plan counts the int4 base as stored (codes, fp16 scales) and equals what was made
+            planned = {(t, k): v for t, kinds in engine.plan.bytes.items() for k, v in kinds.items() if v}
+            assert planned == engine.account.kind_peaks()
+            base_tier = "host" if params == "cpu" else "nvme"
+            assert planned[(base_tier, "weights")] == sum(
+                r.nbytes for i in range(cfg_model.num_hidden_layers) for r in blocks.ranges(i))
         finally:
             engine.close()
     assert masters.keys() == {n for n, p in ref_model.named_parameters() if p.requires_grad}
