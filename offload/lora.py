@@ -180,6 +180,8 @@ class LoraLinear(nn.Module):
         """PEFT's init_lora_weights=True: A as nn.Linear's default (kaiming-uniform, a=sqrt(5)),
         B zeros, so the wrapped model starts exactly equal to the base. Drawn on the CPU in fp32
         so the values depend on the generator only, not on device or dtype."""
+        if self.lora_A.weight.device.type == "meta":  # shapes only (a plan): nothing to fill
+            return
         a = torch.empty(self.lora_A.weight.shape, dtype=torch.float32)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
         with torch.no_grad():
@@ -226,7 +228,7 @@ def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0, *,
-               dtype: torch.dtype = torch.float32) -> list[str]:
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> list[str]:
     """Wrap every targeted projection in a LoraLinear and freeze everything else (embeddings,
     norms, head, base weights). Targets match by attribute name anywhere in the model, as
     PEFT's target_modules list does (`...layers.3.self_attn.q_proj` for "q_proj"); works on
@@ -245,7 +247,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0, *,
         _features(base, name)
     model.requires_grad_(False)
     for name, base in found:
-        wrapped = LoraLinear(base, cfg.rank, cfg.alpha, cfg.dropout, dtype=dtype)
+        # device "meta": the adapters' shapes only (offload/lora_plan.py plans without allocating)
+        wrapped = LoraLinear(base, cfg.rank, cfg.alpha, cfg.dropout, dtype=dtype, device=device)
         wrapped.reset_lora(torch.Generator().manual_seed(param_seed(seed, f"{name}.lora_A.weight")))
         _set_module(model, name, wrapped)
     return [name for name, _ in found]

@@ -205,3 +205,30 @@ def test_qlora_over_a_streamed_int4_base(params, tmp_path):
     assert masters.keys() == {n for n, p in ref_model.named_parameters() if p.requires_grad}
     assert max_rel_diff(masters, {n: ref[n] for n in masters}) <= 1e-6
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("params", ["none", "nvme"])
+def test_methods_table_plans_what_the_engine_plans(params, tmp_path):
+    """The dry run's full / LoRA / QLoRA table (offload/lora_plan.py) is planned on meta models;
+    its LoRA row is the plan the engine makes for the same model and settings, and the rows
+    order as they must: far fewer trainable parameters, no optimizer state for the base, and
+    a smaller base for QLoRA."""
+    from offload.lora_plan import format_methods, plan_methods
+    lora = LoraConfig(rank=4, alpha=8, targets=("q", "v", "down"))
+    cfg = _cfg("cpu", tmp_path, dtype="bf16", offload_params=params, nvme_dir=str(tmp_path / "swap"))
+    full, lora_row, qlora = plan_methods(preset("tiny"), cfg, lora)
+    model = build_model(preset("tiny"), device="cpu", source=0)
+    apply_lora(model, lora, seed=1)
+    engine = offload.initialize(model, cfg)
+    try:
+        assert lora_row.plan.bytes == engine.plan.bytes
+    finally:
+        engine.close()
+    assert lora_row.trainable == qlora.trainable < 0.1 * full.trainable
+    assert lora_row.plan.bytes["host"]["masters"] < 0.1 * full.plan.bytes["host"]["masters"]
+    base_tier = ("device", "frozen") if params == "none" else ("nvme", "weights")
+    # on the device the frozen embeddings and head (16-bit in both) are most of a tiny model
+    ratio = 0.75 if params == "none" else 0.5
+    assert qlora.plan.bytes[base_tier[0]][base_tier[1]] < ratio * lora_row.plan.bytes[base_tier[0]][base_tier[1]]
+    table = format_methods([full, lora_row, qlora])
+    assert table.count("\n") == 4 and "QLoRA int4 r=4" in table

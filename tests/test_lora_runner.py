@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     data = root / "corpus.txt"  # ~10 KB: 15 held-out sequences, so evaluating costs little
     data.write_text("".join(f"Line {i}: the adapter learns what the frozen base does not.\n"
                             for i in range(160)))
-    fast = ["--model", _base(root / "base", 21), "--data", str(data), "--steps", "6",
+    fast = ["--model", _base(root / "base", 21), "--data", str(data), "--steps", "4",
             "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--warmup-steps", "1",
             "--lr", "1e-2", "--no-progress"] + LORA
     out = str(root / "full")
@@ -98,7 +98,7 @@ def test_adapter_loads_in_peft_and_the_merged_model_matches(run):
 
 def test_resume_is_exact(run, tmp_path):
     part = str(tmp_path / "part")
-    assert main(run["fast"] + ["--output", part, "--stop-after", "3"]) == 0
+    assert main(run["fast"] + ["--output", part, "--stop-after", "2"]) == 0
     assert main(run["fast"] + ["--output", part, "--resume", part]) == 0
     assert _losses(part) == _losses(run["out"])
     a = _tensors(os.path.join(run["out"], "adapter", "adapter_model.safetensors"))
