@@ -34,13 +34,14 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from offload.data import DataError
     from offload.engine import StateError
     from offload.generate import GenerationError
+    from offload.lora import LoraError
     from offload.models import CheckpointError
     from offload.models import ConfigError as ModelConfigError
     from offload.stream import StreamError
     from offload.tokenizer import TokenizerError
     return (RunnerError, OffloadConfigError, ModelConfigError, BudgetError, CheckpointError,
             GenerationError, TokenizerError, StreamError, FormatError, IOEngineError, SwapError,
-            DataError, StateError, CheckpointNotFound)
+            DataError, StateError, CheckpointNotFound, LoraError)
 
 
 def note_unused_tensors(reader) -> None:

@@ -25,6 +25,7 @@ from offload.config import format_bytes
 from offload.zero import rank_dir
 from runners.common import fail, note_unused_tensors, run_main, select_device, writable_dir
 from runners.finetune_args import build_parser, check_args, engine_config
+from runners.finetune_lora import LoraRun
 from runners.ranks import Ranks, is_peer_lost, peer_lost
 from runners.report import finite_or_null, truncate_metrics
 from runners.rundir import RunDirectory, check_resume, check_run_paths, trajectory
@@ -102,16 +103,22 @@ class StopRequested:
 
 
 def evaluate(model, data, micro_batch: int, device: torch.device) -> float:
+    """Held-out loss, in eval mode: LoRA's dropout is off (and draws no random numbers)."""
     from offload.data import masked_lm_loss
 
     total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in data.eval_batches(micro_batch):
-            batch = batch.to(device)
-            logits = model(batch.ids[:, :-1], **batch.model_inputs())
-            n = int(batch.mask.sum())
-            total += float(masked_lm_loss(logits, batch.ids[:, 1:], batch.mask)) * n
-            count += n
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in data.eval_batches(micro_batch):
+                batch = batch.to(device)
+                logits = model(batch.ids[:, :-1], **batch.model_inputs())
+                n = int(batch.mask.sum())
+                total += float(masked_lm_loss(logits, batch.ids[:, 1:], batch.mask)) * n
+                count += n
+    finally:
+        model.train(training)
     return total / max(count, 1)
 
 
@@ -131,10 +138,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: --zero-stage {args.zero_stage} has no effect in one process; launch with "
               f"torchrun --nproc_per_node N to train on N data-parallel ranks", file=sys.stderr)
     cfg = engine_config(args, device, ranks.world)
+    lora = LoraRun.from_args(args)  # None: full fine-tuning
     model, model_cfg, source, tokenizer = load_model(args)
     micro = args.micro_batch_size or args.batch_size // ranks.world
-    blocks, _ = group_blocks(model)
-    shape = [(b.numel, b.module is not None) for b in blocks]
+    if lora is not None:  # the trainable blocks are the adapters apply_lora will add
+        shape = lora.adapter_blocks(model)
+    else:
+        shape = [(b.numel, b.module is not None) for b in group_blocks(model)[0]]
     acts = llama_activation_estimate(model_cfg, micro, args.seq_len, cfg.torch_dtype)
     choice = None
     if args.offload == "auto":
@@ -144,18 +154,25 @@ def run(args: argparse.Namespace) -> int:
             if args.dry_run:  # still show what each configuration would need
                 print(estimator_table(shape, cfg, device, acts))
             raise
-    plan = plan_training(shape, cfg, device, acts, world=ranks.world)
-    banner = Banner(args, cfg, model_cfg, plan, device, choice, ranks.world)
+    # a LoRA run's frozen base: resident on the device (finetune_args refuses streaming it)
+    frozen_layers, frozen_rest = (LoraRun.frozen_plan_bytes(model, cfg.torch_dtype)
+                                  if lora is not None else (None, 0))
+    plan = plan_training(shape, cfg, device, acts, world=ranks.world,
+                         frozen_layer_bytes=frozen_layers, frozen_resident_bytes=frozen_rest)
+    lora_frozen = sum(frozen_layers or []) + frozen_rest
+    lora_line = lora.describe(model, shape, lora_frozen, cfg.dtype) if lora is not None else None
+    banner = Banner(args, cfg, model_cfg, plan, device, choice, ranks.world, lora_line)
     print(banner.render())
     if args.dry_run:
-        print(estimator_table(shape, cfg, device, acts))
-        plan.check()
+        if lora is None:  # the ZeRO table prices every weight trained
+            print(estimator_table(shape, cfg, device, acts))
+        _check_plan(plan, lora_frozen)
         print("dry run: the plan fits; nothing was allocated")
         return 0
     writable_dir(args.output, "--output")  # before the plan: a precise error beats "0 B free"
     if cfg.nvme_dir is not None:
         writable_dir(cfg.nvme_dir, "--offload-dir")
-    plan.check()
+    _check_plan(plan, lora_frozen)
     metrics_path = args.metrics or os.path.join(args.output, "metrics.jsonl")
     check_run_paths(args.output, args.metrics, cfg.nvme_dir, args.data)
     rundir = RunDirectory(args.output)
@@ -163,14 +180,29 @@ def run(args: argparse.Namespace) -> int:
         rundir.lock()  # held until the process ends: one run per --output, whatever the tier
     try:
         return _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, rundir,
-                           metrics_path, ranks)
+                           metrics_path, ranks, lora)
     finally:
         if ranks.main:
             rundir.release()
 
 
+def _check_plan(plan, lora_frozen: int) -> None:
+    """plan.check(), its refusal naming the frozen LoRA base where there is one (the library's
+    advice is about optimizer state, which is not what fills the device then)."""
+    from offload.tiers import BudgetError
+
+    try:
+        plan.check()
+    except BudgetError as e:
+        if not lora_frozen:
+            raise
+        raise BudgetError(f"{e}; of that, the frozen LoRA base takes {format_bytes(lora_frozen)} "
+                          f"(runners.finetune keeps it on the device): a smaller model, or a "
+                          f"16-bit --dtype on a GPU") from None
+
+
 def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, rundir,
-                metrics_path, ranks: Ranks) -> int:
+                metrics_path, ranks: Ranks, lora: LoraRun | None) -> int:
     import tempfile
 
     import offload
@@ -188,7 +220,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
              f"({trainer.get('model_config', {}).get('architectures')}, "
              f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
     # the global micro-batch: a state saved by N ranks resumes on M with the same arithmetic
-    now = trajectory(args, cfg, micro * ranks.world)
+    now = trajectory(args, cfg, micro * ranks.world, lora.settings() if lora else None)
     if trainer:
         check_resume(trainer.get("trajectory"), now, args.resume)
 
@@ -201,6 +233,10 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
     if trainer and trainer.get("data_fingerprint") != stream.fingerprint:
         fail(f"--resume {args.resume}: the data differs from the run that saved the checkpoint")
 
+    if lora is not None:  # the base on the device, frozen, and the adapters (finetune_lora.py)
+        model, source = lora.build(model_cfg, source, device, cfg.torch_dtype), None
+        if trainer:
+            lora.check_base(trainer, args.resume)
     torch.manual_seed(args.seed)
     engine = offload.initialize(model, cfg, source=source)
     if resume_dir:
@@ -220,7 +256,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
     try:
         rc = _train(args, engine, model, model_cfg, data, order, stream.fingerprint, tokenizer,
                     micro, device, cfg, stop, trainer, resume_dir, history, metrics_path, now,
-                    ranks)
+                    ranks, lora)
     except BaseException:
         stop.restore()
         # in-process callers must get the swap lock back; a failure while closing (a write
@@ -236,7 +272,8 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
 
 
 def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, micro, device, cfg,
-           stop, trainer, resume_dir, history, metrics_path, now, ranks: Ranks) -> int:
+           stop, trainer, resume_dir, history, metrics_path, now, ranks: Ranks,
+           lora: LoraRun | None) -> int:
     from offload.checkpoint import rng_state, save_checkpoint
 
     if resume_dir and ranks.main:  # rows past the checkpoint: updates about to be redone
@@ -251,8 +288,11 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
                  "data_fingerprint": fingerprint, "trajectory": now,
                  "eval_loss0": eval_loss0,
                  "args": {k: v for k, v in vars(args).items()}}
+        if lora is not None:  # the base is re-read on resume: it must be the same one
+            state["lora_base_fingerprint"] = lora.base_fingerprint
         return save_checkpoint(os.path.join(args.output, "checkpoint"), engine, model_cfg, state,
-                               export_dtype)
+                               export_dtype,
+                               write_weights=lora.checkpoint_writer() if lora is not None else None)
 
     eval_loss0 = evaluate(model, data, micro, device) if not resume_dir else trainer.get("eval_loss0")
     if not resume_dir:
@@ -301,8 +341,9 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
               f"{engine.global_step} of {args.steps}; resumable checkpoint: {path}  (continue with "
               f"--resume {args.output})")
         return 0
-    return _finish(args, engine, cfg, model_cfg, tokenizer, history, totals, wall, tokens_run,
-                   eval_loss0, path, metrics_path, export_dtype, ranks)
+    outputs = _export(args, engine, model, model_cfg, tokenizer, export_dtype, ranks, lora)
+    return _finish(args, engine, cfg, history, totals, wall, tokens_run, eval_loss0, path,
+                   metrics_path, ranks, outputs)
 
 
 def _one_update(args, engine, model, data, order, micro: int, device, cfg,
@@ -344,30 +385,52 @@ def _update_row(args, engine, loss_sum: float, dt: float, micro: int,
             "time": {k: getattr(rep, k) for k in TIME_KEYS}}
 
 
-def _finish(args, engine, cfg, model_cfg, tokenizer, history, totals, wall: float,
-            tokens_run: int, eval_loss0, path: str, metrics_path: str, export_dtype,
-            ranks: Ranks) -> int:
-    """A completed run: export the model and check it reads back, print the summary and the
-    loss curve, close the engine and remove the swap files."""
+def _export(args, engine, model, model_cfg, tokenizer, export_dtype, ranks: Ranks,
+            lora: LoraRun | None) -> list[str]:
+    """A completed run's result, checked to read back: the model in Hugging Face layout; for a
+    LoRA run the adapter in PEFT's format, and with --merge the merged model. Returns the
+    summary's lines naming them."""
+    final_model = os.path.join(args.output, "model")
+    if lora is None:
+        params = engine.iter_master_params()  # across ranks: gathered block by block, on every rank
+        if ranks.main:
+            export_model(params, final_model, model_cfg, tokenizer, export_dtype)
+        else:
+            for _ in params:
+                pass
+        return [f"model (Hugging Face layout): {final_model}"]
+    adapter, masters = lora.export_adapter(engine, args.output, model_cfg, ranks.main)
+    lines = [f"adapter (PEFT format; runners.infer --model {lora.base_name} --adapter {adapter}, "
+             f"or peft.PeftModel.from_pretrained): {adapter}"]
+    if lora.merge and ranks.main:
+        lora.merge_into(model, masters)  # the training is over: the model's adapters are not needed
+        export_model(model, final_model, model_cfg, tokenizer, export_dtype)
+        lines.append(f"merged model (Hugging Face layout): {final_model}")
+    return lines
+
+
+def export_model(params, path: str, model_cfg, tokenizer, export_dtype) -> None:
+    """The model (ours, or (name, tensor) pairs in checkpoint order) in Hugging Face layout with
+    the tokenizer's files, read back."""
+    from offload.models import save_pretrained
+
+    save_pretrained(params, path, config=model_cfg, dtype=export_dtype, extra_files=tokenizer.files())
+    verify_export(path, model_cfg, bool(tokenizer.files()))
+
+
+def _finish(args, engine, cfg, history, totals, wall: float, tokens_run: int, eval_loss0,
+            path: str, metrics_path: str, ranks: Ranks, outputs: list[str]) -> int:
+    """A completed run, its result exported: print the summary and the loss curve, close the
+    engine and remove the swap files."""
     from runners.report import summary_table, write_loss_plot
 
-    final_model = os.path.join(args.output, "model")
-    from offload.models import save_pretrained
-    params = engine.iter_master_params()  # across ranks: gathered block by block, on every rank
-    if ranks.main:
-        save_pretrained(params, final_model, config=model_cfg, dtype=export_dtype,
-                        extra_files=tokenizer.files())
-        verify_export(final_model, model_cfg, bool(tokenizer.files()))
-    else:
-        for _ in params:
-            pass
     eval_final = next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None)
     memory = ranks.gather(engine.memory_report())
     print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final, memory))
     if engine.skipped_steps:
         print(f"skipped updates (inf/nan loss or gradients): {engine.skipped_steps}")
     png = write_loss_plot(history, os.path.join(args.output, "loss.png")) if ranks.main else None
-    print(f"model (Hugging Face layout): {final_model}\ncheckpoint: {path}\nmetrics: {metrics_path}"
+    print("\n".join(outputs) + f"\ncheckpoint: {path}\nmetrics: {metrics_path}"
           + (f"\nloss curve: {png}" if png else ""))
     engine.close()
     swap_dir = cfg.nvme_dir if not ranks.many or cfg.nvme_dir is None else \

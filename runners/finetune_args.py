@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from offload.lora import SHORT_TARGETS, LoraConfig, LoraError
 from runners.common import Parser, dtype_label, fail, select_dtype
 
 DESCRIPTION = "fine-tune a Llama-family model with offloaded optimizer state"
@@ -80,12 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "earlier; overlaps the step even with clipping (needs --offload cpu/nvme)")
     ap.add_argument("--delayed-update-warmup", type=int, default=0, help="updates applied "
                     "synchronously before --delayed-update starts (default 0)")
+    _add_lora_args(ap)
     ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="updates between held-out "
                     "evaluations (0 = only at start and end)")
     ap.add_argument("--save-every", type=int, default=d["save_every"], help="updates between checkpoints "
                     "(0 = only at the end)")
     ap.add_argument("--output", default="runs/finetune", help="output directory: model/ (Hugging Face "
-                    "layout), checkpoint/ (resumable), metrics.jsonl, loss.png")
+                    "layout; with --lora-rank: adapter/, and model/ with --merge), checkpoint/ "
+                    "(resumable), metrics.jsonl, loss.png")
     ap.add_argument("--resume", default=None, help="continue from a checkpoint (an --output dir or its "
                     "checkpoint/ dir); the model and data must be the same")
     ap.add_argument("--overwrite", action="store_true", help="start over in an --output that holds a "
@@ -104,6 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
+
+
+def _add_lora_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on "
+                    "the decoder's projections, the model itself frozen on the device, instead of every "
+                    "weight (0: full fine-tuning); writes OUTPUT/adapter in PEFT's format "
+                    "(peft.PeftModel.from_pretrained and runners.infer --adapter load it)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA's update is scaled by "
+                    f"alpha / rank (default {LoraConfig.alpha:g}); needs --lora-rank")
+    ap.add_argument("--lora-dropout", type=float, default=None, help="dropout on the adapters' input "
+                    f"in training, in [0, 1) (default {LoraConfig.dropout:g}); needs --lora-rank")
+    ap.add_argument("--lora-targets", default=None, help="comma-separated projections that get an "
+                    f"adapter, of {','.join(SHORT_TARGETS)} (or all; default all); needs --lora-rank")
+    ap.add_argument("--merge", action="store_true", help="also fold the trained adapters into the "
+                    "model and export the merged model to OUTPUT/model (needs --lora-rank)")
 
 
 def check_args(args: argparse.Namespace, world: int = 1) -> None:
@@ -127,6 +145,66 @@ def check_args(args: argparse.Namespace, world: int = 1) -> None:
         fail("--warmup-steps, --eval-every and --save-every must be >= 0")
     if not 0 <= args.min_lr_ratio <= 1:
         fail(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    lora_config(args)
+
+
+# which flag a LoraConfig refusal is about, by the words its message names it with
+LORA_FLAG_OF = {"LoRA rank": "--lora-rank", "LoRA alpha": "--lora-alpha",
+                "LoRA dropout": "--lora-dropout", "LoRA target": "--lora-targets"}
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig | None:
+    """The LoRA flags' LoraConfig, None without --lora-rank (full fine-tuning); a bad value or a
+    LoRA flag without --lora-rank is one line naming the flag."""
+    if args.lora_rank < 0:
+        fail(f"--lora-rank must be >= 1 (0 or absent: full fine-tuning), got {args.lora_rank}")
+    if not args.lora_rank:
+        given = [flag for flag, value in (("--lora-alpha", args.lora_alpha),
+                                          ("--lora-dropout", args.lora_dropout),
+                                          ("--lora-targets", args.lora_targets)) if value is not None]
+        if given:
+            one = len(given) == 1
+            fail(f"{', '.join(given)} {'is a LoRA setting' if one else 'are LoRA settings'}, and "
+                 f"LoRA is off without --lora-rank: add --lora-rank R (e.g. 8), or drop "
+                 f"{'it' if one else 'them'}")
+        if args.merge:
+            fail("--merge folds trained LoRA adapters into the model: add --lora-rank R (a full "
+                 "fine-tune's OUTPUT/model is the whole model already)")
+        return None
+    d = LoraConfig
+    try:
+        return LoraConfig(rank=args.lora_rank,
+                          alpha=d.alpha if args.lora_alpha is None else args.lora_alpha,
+                          dropout=d.dropout if args.lora_dropout is None else args.lora_dropout,
+                          targets=d.targets if args.lora_targets is None else args.lora_targets)
+    except LoraError as e:
+        flag = next((f for words, f in LORA_FLAG_OF.items() if words in str(e)), "--lora-rank")
+        fail(f"{flag}: {e}")
+
+
+def _lora_combination_error(args: argparse.Namespace, base: dict, auto: bool,
+                            world: int) -> str | None:
+    """Why the engine options cannot train LoRA adapters here (None when they can), spelt as
+    flags. This runner builds the frozen base on the device (and fingerprints it there for
+    --resume, runners/finetune_lora.py): streaming it is not wired into the runner yet."""
+    if not args.lora_rank:
+        return None
+    if auto:
+        return ("--offload auto with --lora-rank: the planner's choice does not weigh a frozen "
+                "LoRA base yet; choose --offload none, cpu or nvme for the adapters' optimizer "
+                "state (it is small: none or cpu)")
+    params = base.get("offload_params", "none")
+    if params != "none":
+        flag = (f"--offload-params {params}" if args.offload_params else
+                f"offload_params={params!r} (from --config {args.config})")
+        return (f"{flag} with --lora-rank: runners.finetune keeps a LoRA base on the device (it "
+                f"does not stream one yet); use --offload-params none, or drop --lora-rank to "
+                f"train every weight")
+    if world > 1 and base.get("zero_stage") == 3:
+        return ("--zero-stage 3 with --lora-rank: stage 3 streams each layer's weights from the "
+                "ranks' shards, which runners.finetune does not do for a LoRA base; use "
+                "--zero-stage 0, 1 or 2")
+    return None
 
 
 def _check_batch(args: argparse.Namespace, world: int = 1) -> None:
@@ -219,6 +297,9 @@ def engine_config(args: argparse.Namespace, device: torch.device, world: int = 1
     base["device_budget"] = args.gpu_memory or base.get("device_budget")
     base["host_budget"] = args.cpu_memory or base.get("host_budget")
     auto = base["offload"] == "auto"
+    why = _lora_combination_error(args, base, auto, world)
+    if why is not None:
+        fail(why)
     if auto:
         base["offload"] = "cpu"  # a placeholder: the planner decides after the model is known
     if auto or "nvme" in (base["offload"], base.get("offload_params")):

@@ -39,6 +39,7 @@ from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,
                             dtype_label, note_unused_tensors, run_main, select_device,
                             select_dtype, writable_dir)
+from runners.infer_lora import add_adapter_arg, attach_adapter, check_adapter
 from runners.infer_quant import convert_quantized, quant_scratch, quant_source
 
 DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
@@ -74,6 +75,7 @@ def build_parser() -> Parser:
     p.add_argument("--weights", default="auto", choices=["auto", "device", "cpu", "nvme"],
                    help="auto = planner; the others put every block in that tier")
     add_budget_args(p)
+    add_adapter_arg(p)
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="store and stream the decoder layers' projection weights as group-wise "
                         "int8 or int4 codes with fp16 scales, dequantized where they are used; "
@@ -237,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu_budget, cpu_budget = check_budget_flags(args, device)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     cfg, path, is_random = resolve_model(args, dtype)
+    args.lora = check_adapter(args.adapter, cfg)  # before anything is loaded (runners/infer_lora.py)
     tokenizer = None if is_random else load_tokenizer(path)
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise RunnerError(f"the tokenizer of {path} has {tokenizer.vocab_size} tokens, more than "
@@ -316,6 +319,7 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
             model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
                                             nvme_ahead=args.nvme_ahead,
                                             progress=lambda i: bar.update(1))
+    attach_adapter(model, args.lora)
     stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
     try:
         links = _probe_stream(args, streamer, links, measured)
@@ -359,7 +363,8 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
         dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
     return plan_inference(
         block_bytes=blocks, stored_block_bytes=stored,
-        non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item,
+        non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item
+        + (args.lora.device_bytes if getattr(args, "lora", None) else 0),  # resident adapters
         batch_size=batch, context=context,
         kv_bytes_per_seq=kv_cache_bytes(cfg, 1, context, dtype),
         workspace_per_seq=workspace_bytes(cfg.hidden_size, cfg.intermediate_size,

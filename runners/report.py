@@ -17,10 +17,12 @@ from offload.config import OffloadConfig, format_bytes
 
 class Banner:
     def __init__(self, args: argparse.Namespace, cfg: OffloadConfig, model_cfg, plan,
-                 device: torch.device, choice: str | None = None, world: int = 1):
+                 device: torch.device, choice: str | None = None, world: int = 1,
+                 lora: str | None = None):
         self.args, self.cfg, self.model_cfg, self.plan, self.device = args, cfg, model_cfg, plan, device
         self.choice = choice  # the planner's sentence when --offload auto chose the configuration
         self.world = world  # data-parallel ranks (torchrun)
+        self.lora = lora  # a LoRA run's line (runners/finetune_lora.py), None otherwise
 
     def render(self) -> str:
         a, cfg, m = self.args, self.cfg, self.model_cfg
@@ -64,6 +66,8 @@ class Banner:
             lines.append(f"  weights   the blocks' {cfg.dtype} weights live in "
                          f"{'host RAM' if cfg.offload_params == 'cpu' else 'NVMe swap files'} and are "
                          f"streamed to the device one block ahead in forward and backward")
+        if self.lora:
+            lines.append(self.lora)
         if cfg.activation_checkpointing:
             lines.append("  activations checkpointed per block (recomputed in backward)"
                          + ("; checkpointed inputs kept in host RAM" if cfg.offload_activations else ""))

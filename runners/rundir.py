@@ -16,9 +16,10 @@ from runners.common import fail
 LOCK = ".offload-run.lock"
 # what a run writes into --output that only the run can make again: a new run there is refused
 # unless --resume or --overwrite (the swap directory is the store's: it removes its own files)
-PROTECTED = ("checkpoint", "checkpoint.old", "model", "metrics.jsonl")
+PROTECTED = ("checkpoint", "checkpoint.old", "model", "adapter", "metrics.jsonl")
 REMADE = ("checkpoint.tmp", "data", "loss.png")  # rebuilt by every run: removed by --overwrite
-REPLACED = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "model")  # rewritten by every save
+# rewritten by every save (checkpoint) or at the end (model, a LoRA run's adapter)
+REPLACED = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "model", "adapter")
 
 
 def _inside(path: str, parent: str) -> bool:
@@ -110,21 +111,23 @@ TRAJECTORY = {"seq_len": "--seq-len", "seed": "--seed", "batch_size": "--batch-s
               "dtype": "--dtype", "lr": "--lr", "weight_decay": "--weight-decay",
               "grad_clip": "--grad-clip", "betas": "betas (--config)", "eps": "eps (--config)",
               "exact_optimizer": "exact_optimizer (--config)",
-              "delayed_update": "--delayed-update", "delayed_update_warmup": "--delayed-update-warmup"}
+              "delayed_update": "--delayed-update", "delayed_update_warmup": "--delayed-update-warmup",
+              "lora": "LoRA (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets; None: "
+                      "full fine-tuning)"}
 
 
 FROM_ARGS = ("seq_len", "seed", "batch_size", "steps", "warmup_steps", "min_lr_ratio")
 
 
-def trajectory(args: argparse.Namespace, cfg, micro: int) -> dict[str, Any]:
+def trajectory(args: argparse.Namespace, cfg, micro: int, lora: str | None = None) -> dict[str, Any]:
     """The values of TRAJECTORY for this run (saved in every checkpoint): the runner's own
     flags from `args`, the engine's settings from the resolved config (a --config file may
-    have set them), the micro-batch as resolved."""
-    out: dict[str, Any] = {"micro_batch_size": micro}
+    have set them), the micro-batch as resolved, the LoRA settings (None: full fine-tuning)."""
+    out: dict[str, Any] = {"micro_batch_size": micro, "lora": lora}
     for key in TRAJECTORY:
         if key in FROM_ARGS:
             out[key] = getattr(args, key)
-        elif key != "micro_batch_size":
+        elif key not in out:
             value = getattr(cfg, key)
             out[key] = list(value) if isinstance(value, tuple) else value  # as JSON keeps it
     return out
