@@ -390,3 +390,19 @@ def test_chunked_init_draws_the_same_values(monkeypatch):
     init_parameter_("model.layers.0.mlp.up_proj.weight", out, 3, 0.02)
     gen = torch.Generator().manual_seed(param_seed(3, "model.layers.0.mlp.up_proj.weight"))
     assert torch.equal(out, torch.empty(37, 301).normal_(0.0, 0.02, generator=gen))
+
+
+def test_frozen_16bit_projection_backward_on_the_cpu():
+    """A frozen bf16 projection in training (a LoRA base) takes its input gradient through fp32
+    (torch's CPU bf16 product of that layout is pathologically slow): same forward bits as
+    nn.Linear, the gradient within one bf16 rounding of the exact one, no weight gradient."""
+    from offload.models.llama import project
+    lin = torch.nn.Linear(64, 48, dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = project(lin, x)
+    assert torch.equal(y, lin(x.detach()))
+    g = torch.randn(5, 48, dtype=torch.bfloat16)
+    y.backward(g)
+    exact = g.double() @ lin.weight.double()
+    assert torch.allclose(x.grad.double(), exact, rtol=2 ** -8, atol=1e-6)
+    assert lin.weight.grad is None and y.grad_fn is not None
