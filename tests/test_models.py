@@ -392,17 +392,20 @@ def test_chunked_init_draws_the_same_values(monkeypatch):
     assert torch.equal(out, torch.empty(37, 301).normal_(0.0, 0.02, generator=gen))
 
 
-def test_frozen_16bit_projection_backward_on_the_cpu():
+def test_frozen_16bit_projection_backward_on_the_cpu(monkeypatch):
     """A frozen bf16 projection in training (a LoRA base) takes its input gradient through fp32
     (torch's CPU bf16 product of that layout is pathologically slow): same forward bits as
     nn.Linear, the gradient within one bf16 rounding of the exact one, no weight gradient."""
     from offload.models.llama import project
+    from offload.models import llama
     lin = torch.nn.Linear(64, 48, dtype=torch.bfloat16).requires_grad_(False)
+    monkeypatch.setattr(llama, "FROZEN_GRAD_CHUNK_BYTES", 4 * 64 * 7)  # 7 rows a chunk: 48 in 7
     x = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True)
-    y = project(lin, x)
-    assert torch.equal(y, lin(x.detach()))
-    g = torch.randn(5, 48, dtype=torch.bfloat16)
+    x3 = x.view(1, 5, 64)
+    y = project(lin, x3)
+    assert torch.equal(y, lin(x3.detach()))
+    g = torch.randn(1, 5, 48, dtype=torch.bfloat16)
     y.backward(g)
-    exact = g.double() @ lin.weight.double()
+    exact = g[0].double() @ lin.weight.double()
     assert torch.allclose(x.grad.double(), exact, rtol=2 ** -8, atol=1e-6)
     assert lin.weight.grad is None and y.grad_fn is not None

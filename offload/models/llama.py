@@ -155,6 +155,9 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
+FROZEN_GRAD_CHUNK_BYTES = 64 << 20  # fp32 rows of a frozen weight per step of its input gradient
+
+
 class _FrozenProjectionCPU(torch.autograd.Function):
     """x @ W^T (+ b) with a frozen 16-bit W on the CPU (a LoRA base, a frozen head), whose input
     gradient grad @ W is taken in fp32 and rounded once. torch's CPU bf16 product of that layout
@@ -171,8 +174,15 @@ class _FrozenProjectionCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (weight,) = ctx.saved_tensors
-        grad_x = (grad.float() @ weight.float()).to(grad.dtype)  # [..., in]
-        return grad_x, None, None
+        out_f, in_f = weight.shape
+        # fp32 copies of at most FROZEN_GRAD_CHUNK_BYTES of W at a time: the whole of an 8B
+        # model's head in fp32 would be a 2 GiB temporary
+        rows = max(1, FROZEN_GRAD_CHUNK_BYTES // (4 * in_f))
+        g = grad.reshape(-1, out_f)  # [n, out]
+        acc = torch.zeros(g.shape[0], in_f, dtype=torch.float32)  # [n, in]
+        for a in range(0, out_f, rows):
+            acc.addmm_(g[:, a:a + rows].float(), weight[a:a + rows].float())
+        return acc.to(grad.dtype).view(*grad.shape[:-1], in_f), None, None
 
 
 class _HeadProjection(torch.autograd.Function):
