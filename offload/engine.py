@@ -27,14 +27,10 @@ from torch import nn
 
 from offload.activations import (ActivationStore, disable_activation_checkpointing,
                                  enable_activation_checkpointing)
-from offload.block_layout import streamed_params
-from offload.blocks import (bind_views, frozen_bytes, gather_flat, group_blocks,
-                            move_frozen_and_buffers)
-from offload.frozen_stream import FrozenBaseStreamer
-from offload.lora import base_checkpoint_name
+from offload.blocks import bind_views, frozen_bytes, group_blocks
 from offload.config import ConfigError, OffloadConfig, as_config
 from offload.counters import TrainingCounters
-from offload import engine_state
+from offload import engine_state, placement
 from offload.delayed import Delayed
 from offload.engine_state import NonFiniteError, StateError
 from offload.gpu import GpuPhaseTimer
@@ -45,9 +41,7 @@ from offload.stepper import BlockStepper, StepReport, Update
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, freeze_pin_cap,
                            peak_rss_bytes, large_frees_to_os, started_worker)
 from offload.train_plan import plan_training
-from offload.train_stream import TrainingStreamer
-from offload.zero import (BlockReducer, ShardGather, ZeroGroup, ensure_process_group, env_world,
-                          rank_dir)
+from offload.zero import BlockReducer, ZeroGroup, env_world
 
 
 def _counter(name: str, doc: str) -> property:
@@ -151,96 +145,13 @@ class Engine:
 
     # -- set-up -----------------------------------------------------------------------------
     def _place_weights(self, model: nn.Module, source: Any) -> None:
-        """Each block's fp32 masters into the optimizer state and its 16-bit weights to their
-        tier: a device flat buffer the parameters become views of, or the streamer's home (host
-        buffer or swap file). One block at a time: the extra memory while initialising is one
-        block. Parameters on the meta device are filled from `source`: an object with
-        read_tensors_into({name: tensor}) (a checkpoint reader) or such a callable."""
-        cfg = self.cfg
-        self.flat16: list[torch.Tensor | None] = []  # device flat buffers (None when streamed)
-        self.layers: nn.ModuleList | None = (model.get_submodule(self.block_list_path)
-                                             if self.block_list_path is not None else None)
-        self.layer_of: dict[int, int] = {}  # block index -> layer index, for streamed blocks
-        # LoRA: the layers' frozen base is streamed instead, the adapters stay resident
-        frozen_base = self.streams_frozen_base
-        streams = (cfg.offload_params != "none" and not frozen_base) or self.shards_weights
-        if streams:
-            self._check_streamable()
-        stream_flats: list[torch.Tensor] = []
-        # fp32 on the CPU: resident parameters are views of their masters (the stepper then
-        # neither copies nor uploads the updated weights)
-        self.shares_masters = cfg.weights_share_masters(self.device, self.world)
-        # stages 1-3: resident device weights padded to equal shards, all-gathered in place after a step
-        self.flat16_padded: list[torch.Tensor | None] = []
-        fill = getattr(source, "read_tensors_into", source)
-        trainable = set()
-        for bi, block in enumerate(self.blocks):
-            master = gather_flat(block, torch.float32, source=fill)
-            if self.zero is not None:  # every rank starts from rank 0's weights
-                self.zero.broadcast_(master)
-            self.state.init_block(bi, master)
-            trainable.update(id(s.param) for s in block.slots)
-            if streams and block.module is not None:
-                self.layer_of[bi] = len(self.layer_of)
-                if self.shards_weights:  # stage 3: the home is this rank's shard, padded
-                    lo, hi = self.owned(bi)
-                    home = torch.zeros(self.zero.shards(block.numel).size, dtype=self.dtype,
-                                       device=self.device if cfg.offload_params == "none" else "cpu")
-                    home[:hi - lo].copy_(master[lo:hi])
-                    if cfg.offload_params == "nvme":  # its own swap file, in the rank's store
-                        self.store.write(TrainingStreamer.name(block), home).wait()
-                        home = None
-                    stream_flats.append(home)
-                elif cfg.offload_params == "cpu":  # the streamer adopts it as the block's home
-                    stream_flats.append(master.to(self.dtype))
-                else:  # straight to its swap file: the model never sits in RAM at once
-                    self.store.write(TrainingStreamer.name(block), master.to(self.dtype)).wait()
-                    stream_flats.append(None)
-                self.flat16.append(None)
-                self.flat16_padded.append(None)
-                continue
-            padded = None
-            if self.shares_masters:
-                flat = self.state.acquire(bi)[0]
-            else:
-                size = self._padded_numels()[bi] if self.gathers_weights else block.numel
-                padded = torch.zeros(size, dtype=self.dtype, device=self.device)
-                flat = padded[:block.numel]
-                flat.copy_(master)
-                self.account.add("device", "weights", padded.numel() * padded.element_size())
-            bind_views(block, flat, model)
-            self.flat16.append(flat)
-            self.flat16_padded.append(padded)
-            del master
-        self.streaming: TrainingStreamer | FrozenBaseStreamer | None = None
-        if self.layer_of:
-            self.streaming = TrainingStreamer(
-                self.layers, self.blocks, sorted(self.layer_of, key=self.layer_of.get),
-                ("cpu" if self.shards_weights and cfg.offload_params == "none"
-                 else cfg.offload_params), device=self.device,
-                dtype=self.dtype, pin=self.pin, flats16=stream_flats, store=self.store,
-                account=self.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks,
-                shards=ShardGather(self.zero) if self.shards_weights else None,
-                home="device" if self.shards_weights and cfg.offload_params == "none" else "host")
-            trainable.update(id(s.param) for bi in self.layer_of for s in self.blocks[bi].slots)
-        # frozen parameters still on meta come from the source under their checkpoint names
-        fill_frozen = (lambda views: fill({base_checkpoint_name(n): v for n, v in views.items()})
-                       ) if fill is not None else None
-        if frozen_base:
-            self.streaming = FrozenBaseStreamer(
-                self.layers, cfg.offload_params, device=self.device, dtype=self.dtype, pin=self.pin,
-                store=self.store, account=self.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks,
-                source=fill_frozen, prefix=f"{self.block_list_path}.",
-                # a quantized base (QLoRA) is streamed from its block files as they are
-                files=([source.layer_ranges(i) for i in range(len(self.layers))]
-                       if hasattr(source, "layer_ranges") else None),
-                checkpoint_name=base_checkpoint_name)
-            trainable.update(id(p) for layer in self.layers
-                             for p in streamed_params(layer, frozen_only=True).values())
-        del stream_flats
-        moved = move_frozen_and_buffers(model, self.device, self.dtype, trainable, fill_frozen)
-        if moved:
-            self.account.add("device", "frozen", moved)
+        placement.place_weights(self, model, source)  # offload/placement.py
+
+    def _make_zero(self) -> ZeroGroup | None:
+        return placement.make_zero(self.cfg, self.device)
+
+    def _make_store(self):
+        return placement.make_store(self)
 
     def _enable_checkpointing(self) -> None:
         cfg = self.cfg
@@ -255,38 +166,6 @@ class Engine:
             # checkpointed already stays so)
             self._checkpointed = enable_activation_checkpointing(
                 self.layers, self.act_store, self.device) > 0
-
-    def _make_zero(self) -> ZeroGroup | None:
-        """The data-parallel group when this process is one of several ranks (the default
-        process group, or one initialised from torchrun's environment), else None."""
-        cfg = self.cfg
-        if not ensure_process_group(self.device):
-            return None
-        import torch.distributed as dist
-        if dist.get_world_size() == 1:
-            return None
-        if cfg.offload_params != "none" and cfg.zero_stage < 3:
-            raise ConfigError("offload_params across data-parallel ranks streams each rank's "
-                              "shard of the 16-bit weights: that is ZeRO stage 3; set "
-                              "zero_stage=3 (--zero-stage 3), or offload_params='none'")
-        if cfg.delayed_update:
-            raise ConfigError("delayed_update across data-parallel ranks is not supported: the "
-                              "delayed step would run beside the next backward's collectives; "
-                              "drop delayed_update or run one process")
-        return ZeroGroup(cfg.zero_stage, self.device)
-
-    @property
-    def streams_frozen_base(self) -> bool:
-        """offload_params on a model whose layers hold frozen parameters (LoRA's base): those are
-        streamed (offload/frozen_stream.py) and the trainable ones stay resident."""
-        if self.cfg.offload_params == "none" or self.layers is None:
-            return False
-        if not any(not p.requires_grad for layer in self.layers for p in layer.parameters()):
-            return False
-        if self.zero is not None:
-            raise ConfigError("a frozen base (LoRA) across data-parallel ranks is not built: run "
-                              "one process, or offload_params='none'")
-        return True
 
     @property
     def gathers_weights(self) -> bool:
@@ -342,37 +221,6 @@ class Engine:
                                   frozen_layer_bytes=frozen_layers,
                                   frozen_resident_bytes=frozen_rest)
         self.plan.check()
-
-    def _make_store(self):
-        """The swap store under nvme_dir, when optimizer state or weights live on NVMe."""
-        cfg = self.cfg
-        if cfg.offload != "nvme" and cfg.offload_params != "nvme":
-            return None
-        from nvme import IOEngine, SwapStore
-
-        io = IOEngine(threads=cfg.io_threads, block_bytes=cfg.io_block_bytes,
-                      queue_depth=cfg.io_queue_depth)
-        # each rank its own directory: its own lock, manifest and shard files
-        directory = cfg.nvme_dir if self.zero is None else rank_dir(cfg.nvme_dir, self.zero.rank)
-        store = SwapStore(directory, engine=io, durable=cfg.swap_fsync,
-                          verify="always" if cfg.verify_checksums else "never")
-        # a resumed run rewrites the files a stopped one left: their space is reusable (one
-        # tensor at a time is written beside its old version, the largest block's worth)
-        largest = max(b.numel for b in self.blocks) * 4
-        store.preflight(max(self.plan.total("nvme") - store.stored_bytes(), largest))
-        return store
-
-    def _check_streamable(self) -> None:
-        if self.layers is None:
-            raise ConfigError("offload_params streams the blocks of the model's nn.ModuleList; "
-                              "this model has none")
-        owned = {id(s.param) for b in self.blocks if b.module is not None for s in b.slots}
-        for layer in self.layers:
-            for name, p in layer.named_parameters():
-                if id(p) not in owned:
-                    raise ConfigError(f"offload_params: parameter {name!r} of a block is frozen "
-                                      f"or shared outside the block; streamed blocks must own "
-                                      f"all their parameters and train them")
 
     def _make_state(self):
         cfg = self.cfg
