@@ -30,30 +30,36 @@ class MethodPlan:
     plan: TrainingPlan
 
 
-def _meta_model(model_cfg, dtype: torch.dtype, quantize: str | None):
+def _meta_model(model_cfg, dtype: torch.dtype, quantize: str | None, group_size: int = 0):
     from offload.models import build_model
     model = build_model(model_cfg, dtype=dtype)  # meta
     if quantize is not None:
         from offload.models.quantized import QuantSettings, projection_specs, quantize_layers
-        quantize_layers(model, projection_specs(model_cfg, QuantSettings(quantize)), dtype)
+        quantize_layers(model, projection_specs(model_cfg, QuantSettings(quantize, group_size)), dtype)
     return model
 
 
 def plan_methods(model_cfg, cfg: OffloadConfig, lora: LoraConfig,
-                 quantize: str = "int4") -> list[MethodPlan]:
-    """The plans of full fine-tuning, LoRA and QLoRA (`quantize` int4|int8) of `model_cfg`
-    under `cfg`; nothing is allocated."""
+                 quantize: str = "int4", qlora_params: str | None = None,
+                 group_size: int = 0) -> list[MethodPlan]:
+    """The plans of full fine-tuning, LoRA and QLoRA (`quantize` int4|int8, `group_size` 0: the
+    mode's default) of `model_cfg` under `cfg`; nothing is allocated. `qlora_params`: the QLoRA row's offload_params when it
+    differs from cfg's (runners.finetune streams a quantized base: cpu where cfg has none)."""
     rows = []
     device = cfg.resolve_device()
+    qcfg = (cfg if qlora_params in (None, cfg.offload_params)
+            else cfg.replace(offload_params=qlora_params))
+    qlabel = f"QLoRA {quantize} r={lora.rank}" + ("" if qcfg is cfg else f" (base from {qlora_params})")
     for method, quant, wrap in (("full", None, False), (f"LoRA r={lora.rank}", None, True),
-                                (f"QLoRA {quantize} r={lora.rank}", quantize, True)):
-        model = _meta_model(model_cfg, cfg.torch_dtype, quant)
+                                (qlabel, quantize, True)):
+        row_cfg = qcfg if quant is not None else cfg
+        model = _meta_model(model_cfg, cfg.torch_dtype, quant, group_size)
         if wrap:
             apply_lora(model, lora, seed=0, device="meta")  # adapters' shapes only
         blocks, path = group_blocks(model)
         layer_bytes, rest_bytes = frozen_bytes(model, path, cfg.torch_dtype,
                                                own_dtypes=quant is not None)
-        plan = plan_training([(b.numel, b.module is not None) for b in blocks], cfg, device,
+        plan = plan_training([(b.numel, b.module is not None) for b in blocks], row_cfg, device,
                              frozen_layer_bytes=layer_bytes, frozen_resident_bytes=rest_bytes)
         rows.append(MethodPlan(method, sum(b.numel for b in blocks), plan))
     return rows
@@ -64,6 +70,7 @@ def format_methods(rows: list[MethodPlan]) -> str:
     out = ["| method | trainable params | " + " | ".join(TIERS) + " |",
            "|---|---:|" + "---:|" * len(TIERS)]
     for r in rows:
-        out.append(f"| {r.method} | {r.trainable / 1e6:,.1f}M | "
+        millions = f"{r.trainable / 1e6:,.1f}" if r.trainable >= 100_000 else f"{r.trainable / 1e6:.3f}"
+        out.append(f"| {r.method} | {millions}M | "
                    + " | ".join(format_bytes(r.plan.total(t)) for t in TIERS) + " |")
     return "\n".join(out)

@@ -213,6 +213,22 @@ CANDIDATES: list[tuple[str, dict]] = [
 ]
 
 
+# With a frozen base (LoRA) the trainable state is small and the base is what fills the
+# device: it is streamed (offload_params) before the adapters' state moves to NVMe.
+FROZEN_BASE_CANDIDATES: list[tuple[str, dict]] = [
+    ("all on the device", dict(offload="none", offload_params="none", activation_checkpointing=False)),
+    ("adapters' state in host RAM", dict(offload="cpu", offload_params="none", activation_checkpointing=False)),
+    ("+ activation checkpointing", dict(offload="cpu", offload_params="none", activation_checkpointing=True)),
+    ("+ frozen base streamed from host RAM", dict(offload="cpu", offload_params="cpu", activation_checkpointing=True)),
+    ("+ activations in host RAM", dict(offload="cpu", offload_params="cpu", activation_checkpointing=True,
+                                       offload_activations=True)),
+    ("frozen base streamed from NVMe", dict(offload="cpu", offload_params="nvme", activation_checkpointing=True,
+                                            offload_activations=True)),
+    ("+ adapters' state on NVMe", dict(offload="nvme", offload_params="nvme", activation_checkpointing=True,
+                                       offload_activations=True)),
+]
+
+
 def plan_fits(plan: TrainingPlan) -> str | None:
     """None when the plan fits, else why not (BudgetError's message)."""
     try:
@@ -224,25 +240,34 @@ def plan_fits(plan: TrainingPlan) -> str | None:
 
 def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
                            device: torch.device, activations: ActivationEstimate | None = None,
-                           world: int = 1) -> tuple[OffloadConfig, str]:
+                           world: int = 1, frozen_layer_bytes: list[int] | None = None,
+                           frozen_resident_bytes: int = 0,
+                           candidates: list[tuple[str, dict]] | None = None
+                           ) -> tuple[OffloadConfig, str]:
     """The fastest candidate configuration that fits the budgets (NVMe ones only when
-    base.nvme_dir is set), and a sentence saying why. Raises BudgetError saying what would fit."""
+    base.nvme_dir is set), and a sentence saying why. Raises BudgetError saying what would fit.
+    A frozen base (plan_training's frozen_* bytes) is weighed as the plan counts it, and tried
+    with FROZEN_BASE_CANDIDATES unless `candidates` are given."""
     last_error = None
-    for label, changes in CANDIDATES:
+    if candidates is None:
+        candidates = FROZEN_BASE_CANDIDATES if any(frozen_layer_bytes or []) else CANDIDATES
+    for label, changes in candidates:
         if "nvme" in (changes["offload"], changes["offload_params"]) and not base.nvme_dir:
             continue
         try:
             cfg = base.replace(**{"offload_activations": False, **changes})
         except ConfigError:  # a combination the base's other options exclude (delayed_update)
             continue
-        why = plan_fits(plan_training(blocks, cfg, device, activations, world=world))
+        why = plan_fits(plan_training(blocks, cfg, device, activations, world=world,
+                                      frozen_layer_bytes=frozen_layer_bytes,
+                                      frozen_resident_bytes=frozen_resident_bytes))
         if why is None:
             return cfg, f"chose '{label}': the fastest configuration that fits the budgets"
         last_error = why
     hint = ("" if base.nvme_dir else " (give an offload dir to let the planner use NVMe)")
-    grads = ""
+    grads = ""  # (a frozen base's adapters have small gradients: not worth a word then)
     if base.replace(offload="nvme").grad_landing(len(blocks), device)[0] != "pooled" \
-            and base.grad_accum_steps == 1:
+            and base.grad_accum_steps == 1 and not any(frozen_layer_bytes or []):
         grads = ("; gradients are held for the whole model because " +
                  ("clipping needs the global norm" if base.grad_clip > 0 else "the fp16 overflow "
                   "check needs every gradient") + " before the step — without it (--grad-clip 0, "

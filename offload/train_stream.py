@@ -45,7 +45,7 @@ WEIGHTS = "weights16"  # swap-store kind of a block's 16-bit weights
 class _SlotRef:
     """A saved tensor that lived in block `layer`'s slot, as a recipe for rebuilding it."""
     layer: int
-    offset: int  # elements from the start of the block's flat view
+    offset: int  # bytes from the start of the block's flat view
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
@@ -96,16 +96,22 @@ class BlockHooks:
         if owner is None:
             return t
         flat = self.streamer.bound_flat(owner)
-        assert t.dtype == flat.dtype, "a saved view of streamed weights changed dtype"
-        offset = (t.data_ptr() - flat.data_ptr()) // t.element_size()
-        return _SlotRef(owner, offset, tuple(t.shape), tuple(t.stride()), t.dtype)
+        # in bytes: a byte block (a quantized base: codes, fp16 scales and norms in one uint8
+        # slot) holds views of other dtypes than its flat's
+        return _SlotRef(owner, t.data_ptr() - flat.data_ptr(), tuple(t.shape), tuple(t.stride()),
+                        t.dtype)
 
     def _unpack(self, x):
         if isinstance(x, _SlotRef):
             # the output-gradient hook bound the block before any of its backward nodes ran
             flat = self.streamer.bound_flat(x.layer)
-            # as_strided counts from the start of the storage, not from the view
-            return flat.as_strided(x.shape, x.stride, flat.storage_offset() + x.offset)
+            storage = flat.untyped_storage()
+            start = flat.data_ptr() - storage.data_ptr() + x.offset  # bytes into the storage
+            item = x.dtype.itemsize
+            assert start % item == 0, "a saved view of streamed weights is not element-aligned"
+            # set_ counts the offset in elements of x.dtype from the start of the storage
+            return torch.empty(0, dtype=x.dtype, device=flat.device).set_(
+                storage, start // item, x.shape, x.stride)
         return x
 
     def _before_forward(self, li: int, args, kwargs) -> None:

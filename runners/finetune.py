@@ -141,38 +141,39 @@ def run(args: argparse.Namespace) -> int:
     lora = LoraRun.from_args(args)  # None: full fine-tuning
     model, model_cfg, source, tokenizer = load_model(args)
     micro = args.micro_batch_size or args.batch_size // ranks.world
+    frozen = (None, 0)  # a LoRA base's bytes per layer and outside the layers, as the engine counts
     if lora is not None:  # the trainable blocks are the adapters apply_lora will add
-        shape = lora.adapter_blocks(model)
+        planned = lora.plan_model(model_cfg, cfg.torch_dtype)
+        shape, frozen = lora.adapter_blocks(planned), lora.frozen_plan_bytes(planned, cfg.torch_dtype)
     else:
         shape = [(b.numel, b.module is not None) for b in group_blocks(model)[0]]
     acts = llama_activation_estimate(model_cfg, micro, args.seq_len, cfg.torch_dtype)
     choice = None
     if args.offload == "auto":
         try:
-            cfg, choice = choose_training_config(shape, cfg, device, acts, world=ranks.world)
+            cfg, choice = choose_training_config(
+                shape, cfg, device, acts, world=ranks.world, frozen_layer_bytes=frozen[0],
+                frozen_resident_bytes=frozen[1], candidates=lora.candidates(ranks.world) if lora else None)
         except BudgetError:
-            if args.dry_run:  # still show what each configuration would need
+            if args.dry_run and lora is None:  # still show what each configuration would need
                 print(estimator_table(shape, cfg, device, acts))
             raise
-    # a LoRA run's frozen base: resident on the device (finetune_args refuses streaming it)
-    frozen_layers, frozen_rest = (LoraRun.frozen_plan_bytes(model, cfg.torch_dtype)
-                                  if lora is not None else (None, 0))
     plan = plan_training(shape, cfg, device, acts, world=ranks.world,
-                         frozen_layer_bytes=frozen_layers, frozen_resident_bytes=frozen_rest)
-    lora_frozen = sum(frozen_layers or []) + frozen_rest
-    lora_line = lora.describe(model, shape, lora_frozen, cfg.dtype) if lora is not None else None
+                         frozen_layer_bytes=frozen[0], frozen_resident_bytes=frozen[1])
+    lora_line = lora.describe(model_cfg, shape, frozen, cfg) if lora is not None else None
+    advice = lora.budget_advice(cfg, frozen) if lora is not None else None
     banner = Banner(args, cfg, model_cfg, plan, device, choice, ranks.world, lora_line)
     print(banner.render())
-    if args.dry_run:
-        if lora is None:  # the ZeRO table prices every weight trained
-            print(estimator_table(shape, cfg, device, acts))
-        _check_plan(plan, lora_frozen)
+    if args.dry_run:  # the ZeRO table prices every weight trained; LoRA's, the methods side by side
+        print(estimator_table(shape, cfg, device, acts) if lora is None
+              else lora.methods_table(model_cfg, cfg))
+        _check_plan(plan, advice)
         print("dry run: the plan fits; nothing was allocated")
         return 0
     writable_dir(args.output, "--output")  # before the plan: a precise error beats "0 B free"
     if cfg.nvme_dir is not None:
         writable_dir(cfg.nvme_dir, "--offload-dir")
-    _check_plan(plan, lora_frozen)
+    _check_plan(plan, advice)
     metrics_path = args.metrics or os.path.join(args.output, "metrics.jsonl")
     check_run_paths(args.output, args.metrics, cfg.nvme_dir, args.data)
     rundir = RunDirectory(args.output)
@@ -186,19 +187,17 @@ def run(args: argparse.Namespace) -> int:
             rundir.release()
 
 
-def _check_plan(plan, lora_frozen: int) -> None:
-    """plan.check(), its refusal naming the frozen LoRA base where there is one (the library's
-    advice is about optimizer state, which is not what fills the device then)."""
+def _check_plan(plan, advice: str | None) -> None:
+    """plan.check(), its refusal followed by `advice` where there is some (a LoRA run's: the
+    library's advice is about optimizer state, which is not what fills the device then)."""
     from offload.tiers import BudgetError
 
     try:
         plan.check()
     except BudgetError as e:
-        if not lora_frozen:
+        if not advice:
             raise
-        raise BudgetError(f"{e}; of that, the frozen LoRA base takes {format_bytes(lora_frozen)} "
-                          f"(runners.finetune keeps it on the device): a smaller model, or a "
-                          f"16-bit --dtype on a GPU") from None
+        raise BudgetError(f"{e}; {advice}") from None
 
 
 def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, rundir,
@@ -233,22 +232,23 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
     if trainer and trainer.get("data_fingerprint") != stream.fingerprint:
         fail(f"--resume {args.resume}: the data differs from the run that saved the checkpoint")
 
-    if lora is not None:  # the base on the device, frozen, and the adapters (finetune_lora.py)
-        model, source = lora.build(model_cfg, source, device, cfg.torch_dtype), None
-        if trainer:
-            lora.check_base(trainer, args.resume)
+    if lora is not None:  # the base on meta, filled by the engine, and the adapters (finetune_lora.py)
+        model, source = lora.build(model_cfg, source, device, cfg.torch_dtype)
     torch.manual_seed(args.seed)
     engine = offload.initialize(model, cfg, source=source)
-    if resume_dir:
-        try:
+    try:
+        if lora is not None:  # fingerprinted as the engine read it; a resume's base checked
+            lora.take_fingerprint(trainer, args.resume)
+        if resume_dir:
             engine.load_state(os.path.join(resume_dir, "engine"))
             if engine.global_step != trainer["step"]:
                 fail(f"--resume {args.resume}: the checkpoint is inconsistent: its engine state is "
                      f"at update {engine.global_step}, its trainer state at update "
                      f"{trainer['step']}; resume from another checkpoint")
-        except BaseException:
-            engine.close(after_error=True)  # in-process callers get the swap lock back
-            raise
+    except BaseException:
+        engine.close(after_error=True)  # in-process callers get the swap lock back
+        raise
+    if resume_dir:
         set_rng_state(trainer["rng"], device)
         print(f"resumed from {resume_dir} at update {engine.global_step}")
     history: list[dict[str, Any]] = trainer.get("history", [])
@@ -400,11 +400,11 @@ def _export(args, engine, model, model_cfg, tokenizer, export_dtype, ranks: Rank
                 pass
         return [f"model (Hugging Face layout): {final_model}"]
     adapter, masters = lora.export_adapter(engine, args.output, model_cfg, ranks.main)
-    lines = [f"adapter (PEFT format; runners.infer --model {lora.base_name} --adapter {adapter}, "
-             f"or peft.PeftModel.from_pretrained): {adapter}"]
-    if lora.merge and ranks.main:
-        lora.merge_into(model, masters)  # the training is over: the model's adapters are not needed
-        export_model(model, final_model, model_cfg, tokenizer, export_dtype)
+    lines = [f"adapter (PEFT format; runners.infer --model {lora.base_name} --adapter {adapter}"
+             f"{lora.infer_flags()}, or peft.PeftModel.from_pretrained): {adapter}"]
+    if lora.merge and ranks.main:  # the base read again tensor by tensor, whatever its tier
+        export_model(lora.merged_params(model_cfg, masters, export_dtype), final_model, model_cfg,
+                     tokenizer, export_dtype)
         lines.append(f"merged model (Hugging Face layout): {final_model}")
     return lines
 

@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grad-clip", type=float, default=None, help=f"max global gradient L2 norm, 0 = off "
                     f"(default {d['grad_clip']})")
     ap.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default=None,
-                    help="where the blocks' 16-bit weights live: on the device (none), or streamed to it "
-                    "block by block from host RAM (cpu) or NVMe swap files (nvme) (default none)")
+                    help="where the blocks' 16-bit weights (--lora-rank: the frozen base) live: on the device "
+                    "(none), or streamed to it from host RAM (cpu) or NVMe swap files (nvme) (default none)")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     ap.add_argument("--offload-activations", action="store_true",
@@ -111,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_lora_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on "
-                    "the decoder's projections, the model itself frozen on the device, instead of every "
-                    "weight (0: full fine-tuning); writes OUTPUT/adapter in PEFT's format "
-                    "(peft.PeftModel.from_pretrained and runners.infer --adapter load it)")
+                    "the decoder's projections, the model itself frozen (on the device, or streamed "
+                    "with --offload-params), instead of every weight (0: full fine-tuning); writes "
+                    "OUTPUT/adapter in PEFT's format (peft.PeftModel.from_pretrained and "
+                    "runners.infer --adapter load it)")
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA's update is scaled by "
                     f"alpha / rank (default {LoraConfig.alpha:g}); needs --lora-rank")
     ap.add_argument("--lora-dropout", type=float, default=None, help="dropout on the adapters' input "
@@ -121,7 +122,17 @@ def _add_lora_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lora-targets", default=None, help="comma-separated projections that get an "
                     f"adapter, of {','.join(SHORT_TARGETS)} (or all; default all); needs --lora-rank")
     ap.add_argument("--merge", action="store_true", help="also fold the trained adapters into the "
-                    "model and export the merged model to OUTPUT/model (needs --lora-rank)")
+                    "model and export the merged model to OUTPUT/model (needs --lora-rank; with "
+                    "--quantize, into the dequantized base, as PEFT merges QLoRA)")
+    ap.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
+                    help="QLoRA: the frozen base's projections as int8/int4 codes with fp16 scales, "
+                    "converted once into --cache-dir (the blocks runners.infer --quantize uses) and "
+                    "streamed as stored; needs --lora-rank and --offload-params cpu|nvme")
+    ap.add_argument("--group-size", type=int, default=0, help="--quantize: input columns per "
+                    "scale (default: int8 one per row, int4 64)")
+    ap.add_argument("--cache-dir", default=None, help="where --quantize keeps the converted blocks "
+                    "(and a preset's generated weights); default ~/.cache/offload, runners.infer's "
+                    "default --offload-dir, so inference reuses them")
 
 
 def check_args(args: argparse.Namespace, world: int = 1) -> None:
@@ -170,7 +181,13 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
         if args.merge:
             fail("--merge folds trained LoRA adapters into the model: add --lora-rank R (a full "
                  "fine-tune's OUTPUT/model is the whole model already)")
+        if args.quantize != "none":
+            fail(f"--quantize {args.quantize} quantizes the frozen base of a LoRA run (QLoRA): add "
+                 f"--lora-rank R; quantized weights are not trained (fine-tune in 16 bits, then "
+                 f"runners.infer --quantize)")
+        _check_quant_flags(args)
         return None
+    _check_quant_flags(args)
     d = LoraConfig
     try:
         return LoraConfig(rank=args.lora_rank,
@@ -182,24 +199,43 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
         fail(f"{flag}: {e}")
 
 
+def _check_quant_flags(args: argparse.Namespace) -> None:
+    """--group-size and --cache-dir belong to --quantize; a group size the format cannot take
+    is one line."""
+    from offload.models.quantized import QuantSettings
+    from offload.quant import QuantError
+
+    if args.quantize == "none":
+        for flag, value in (("--group-size", args.group_size), ("--cache-dir", args.cache_dir)):
+            if value:
+                fail(f"{flag} is a --quantize setting: add --quantize int8|int4 (and --lora-rank), "
+                     f"or drop it")
+        return
+    try:
+        QuantSettings(args.quantize, args.group_size).spec()
+    except QuantError as e:
+        fail(f"--quantize {args.quantize} --group-size {args.group_size}: {e}")
+
+
 def _lora_combination_error(args: argparse.Namespace, base: dict, auto: bool,
                             world: int) -> str | None:
     """Why the engine options cannot train LoRA adapters here (None when they can), spelt as
-    flags. This runner builds the frozen base on the device (and fingerprints it there for
-    --resume, runners/finetune_lora.py): streaming it is not wired into the runner yet."""
+    flags. The frozen base is resident or streamed (offload_params) in one process; the engine
+    does not stream a frozen base across ranks, nor hold a quantized one on the device."""
     if not args.lora_rank:
         return None
-    if auto:
-        return ("--offload auto with --lora-rank: the planner's choice does not weigh a frozen "
-                "LoRA base yet; choose --offload none, cpu or nvme for the adapters' optimizer "
-                "state (it is small: none or cpu)")
     params = base.get("offload_params", "none")
-    if params != "none":
-        flag = (f"--offload-params {params}" if args.offload_params else
-                f"offload_params={params!r} (from --config {args.config})")
-        return (f"{flag} with --lora-rank: runners.finetune keeps a LoRA base on the device (it "
-                f"does not stream one yet); use --offload-params none, or drop --lora-rank to "
-                f"train every weight")
+    flag = (f"--offload-params {params}" if args.offload_params else
+            f"offload_params={params!r} (from --config {args.config})")
+    if world > 1 and (params != "none" or args.quantize != "none"):
+        what = f"--quantize {args.quantize}" if args.quantize != "none" else flag
+        return (f"{what} with --lora-rank across {world} ranks: the frozen base is streamed "
+                f"(and a quantized one kept) by one process only; run one process, or use "
+                f"--offload-params none without --quantize")
+    if args.quantize != "none" and not auto and params == "none":
+        return (f"--quantize {args.quantize} (QLoRA) streams the quantized base as stored: add "
+                f"--offload-params cpu (or nvme); a quantized base resident on the device is "
+                f"not built yet")
     if world > 1 and base.get("zero_stage") == 3:
         return ("--zero-stage 3 with --lora-rank: stage 3 streams each layer's weights from the "
                 "ranks' shards, which runners.finetune does not do for a LoRA base; use "

@@ -62,7 +62,7 @@ class Banner:
                          f"weights in {where}; a block is gathered from all ranks one block ahead "
                          f"in forward and backward and dropped after it runs (embeddings and head "
                          f"stay whole)")
-        elif cfg.offload_params != "none":
+        elif cfg.offload_params != "none" and not self.lora:  # a LoRA base: the lora line says it
             lines.append(f"  weights   the blocks' {cfg.dtype} weights live in "
                          f"{'host RAM' if cfg.offload_params == 'cpu' else 'NVMe swap files'} and are "
                          f"streamed to the device one block ahead in forward and backward")

@@ -112,8 +112,8 @@ TRAJECTORY = {"seq_len": "--seq-len", "seed": "--seed", "batch_size": "--batch-s
               "grad_clip": "--grad-clip", "betas": "betas (--config)", "eps": "eps (--config)",
               "exact_optimizer": "exact_optimizer (--config)",
               "delayed_update": "--delayed-update", "delayed_update_warmup": "--delayed-update-warmup",
-              "lora": "LoRA (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets; None: "
-                      "full fine-tuning)"}
+              "lora": "LoRA (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets, "
+                      "--quantize, --group-size; None: full fine-tuning)"}
 
 
 FROM_ARGS = ("seq_len", "seed", "batch_size", "steps", "warmup_steps", "min_lr_ratio")

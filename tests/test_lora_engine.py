@@ -146,8 +146,8 @@ def test_base_on_meta_is_filled_from_the_source(params, tmp_path):
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
 
 
-@pytest.mark.parametrize("params", ["cpu", "nvme"])
-def test_qlora_over_a_streamed_int4_base(params, tmp_path):
+@pytest.mark.parametrize("params,ckpt", [("cpu", True), ("nvme", False)])
+def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
     """QLoRA: the base's projections are int4 blocks (offload/models/quantized.py), streamed as
     the byte blocks they are stored as (from RAM or straight from their files) through forward,
     recompute and backward, dequantized at each product; the adapters train exactly as over a
@@ -183,7 +183,7 @@ def test_qlora_over_a_streamed_int4_base(params, tmp_path):
         quantize_layers(model, blocks.specs, torch.float32)
         apply_lora(model, lora, seed=1)
         cfg = _cfg("cpu", tmp_path, exact_optimizer=False, offload_params=params,
-                   nvme_dir=str(tmp_path / "swap"), activation_checkpointing=True)
+                   nvme_dir=str(tmp_path / "swap"), activation_checkpointing=ckpt)
         engine = offload.initialize(model, cfg, source=QuantizedSource(reader, blocks))
         try:
             losses = []

@@ -2,6 +2,8 @@
 (and with --merge a merged model transformers loads, equal to base + adapter), a stopped and
 resumed LoRA run ends bit-identical to an uninterrupted one, `runners.infer --adapter` generates
 the tokens transformers + peft generate on every weight tier, and every bad flag is one line.
+With --offload-params the frozen base is streamed (the same adapter to the bit); with --quantize
+(QLoRA) it is an int4 base streamed from its cached blocks, which runners.infer reuses.
 A tiny model (hidden 64, 4 layers), a small corpus, a few updates: seconds."""
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 
 from nvme.format import SafetensorsFile
 from offload.models import build_model, preset, save_pretrained
-from runners.common import run_main
+from runners.common import RunnerError, run_main
 from runners.finetune import main
+from runners.finetune_args import build_parser, engine_config
 from runners.infer import main as infer_main
 from tests.test_finetune import _bad, _engine_state, _losses
 
@@ -25,6 +28,8 @@ peft = pytest.importorskip("peft")
 IDS = [3, 14, 15, 92, 65, 35]
 NEW = 8
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--lora-targets", "q,v,down"]
+QLORA = ["--quantize", "int4", "--group-size", "32", "--offload-params", "nvme",
+         "--activation-checkpointing"]
 
 
 def _base(path, seed: int) -> str:
@@ -132,14 +137,26 @@ def test_bad_lora_flags_are_one_line(run, tmp_path, capsys):
     _bad(out + ["--lora-rank", "-1"], capsys, "--lora-rank must be >= 1")
     _bad(out + ["--lora-rank", "4", "--lora-dropout", "1"], capsys, "--lora-dropout: LoRA dropout")
     _bad(out + ["--lora-rank", "4", "--lora-targets", "q,lm_head"], capsys, "--lora-targets: unknown")
-    _bad(out + ["--lora-rank", "4", "--offload-params", "cpu"], capsys, "--offload-params cpu with --lora-rank")
-    _bad(out + ["--lora-rank", "4", "--offload", "auto"], capsys, "--offload auto with --lora-rank")
+    # QLoRA's flags: a LoRA run's base, streamed and recomputed; the settings belong to --quantize
+    _bad(out + ["--quantize", "int4"], capsys, "add --lora-rank R; quantized weights are not trained")
+    _bad(out + ["--lora-rank", "4", "--quantize", "int4"], capsys,
+         "streams the quantized base as stored: add --offload-params cpu")
+    _bad(out + ["--group-size", "32"], capsys, "--group-size is a --quantize setting")
+    _bad(out + ["--lora-rank", "4", "--cache-dir", str(tmp_path)], capsys, "--cache-dir is a --quantize setting")
+    _bad(out + ["--lora-rank", "4", "--quantize", "int4", "--group-size", "7"], capsys,
+         "--quantize int4 --group-size 7:")
+    # across torchrun ranks the base stays resident (the engine streams one only in one process)
+    args = build_parser().parse_args(["--lora-rank", "4", "--offload-params", "cpu", "--batch-size", "4"])
+    with pytest.raises(RunnerError, match="with --lora-rank across 2 ranks: .* run one process"):
+        engine_config(args, torch.device("cpu"), 2)
     # a resume must keep the LoRA settings and the base the adapters were trained on
     resume = ["--resume", run["out"], "--output", str(tmp_path / "r")]
     _bad(_with(run["fast"], "--lora-rank", "8") + resume, capsys, "LoRA (--lora-rank")
     _bad(_with(run["fast"], "--model", run["other_base"]) + resume, capsys,
          "the base model's weights differ")
     _bad(run["fast"][:-len(LORA)] + resume, capsys, "None (the checkpoint has 'rank 4, alpha 8.0")
+    _bad(run["fast"] + QLORA + ["--cache-dir", str(tmp_path / "c")] + resume, capsys,
+         "targets q_proj,v_proj,down_proj, base int4 group 32' (the checkpoint has")
     # runners.infer: an adapter that is not there, or made for another model's shapes
     for adapter, phrase in ((tmp_path / "none", "is not a directory"),
                             (os.path.join(run["out"], "adapter"), "made for other targets or another model")):
@@ -157,3 +174,98 @@ def test_dry_run_counts_the_adapters_and_the_frozen_base(tmp_path, capsys):
     assert f"{trainable / 1e6:.3f}M trainable parameters of" in text
     assert "frozen 1.21 MiB" in text and "stays on the device" in text
     assert "memory estimator" not in text  # the ZeRO table prices a full fine-tune
+    # under the plan, the methods side by side (offload/lora_plan.py); the runner streams a
+    # quantized base, so QLoRA's row is planned streamed from host RAM
+    table = text[text.index("| method |"):].splitlines()
+    assert [row.split(" | ")[0] for row in table[2:5]] == ["| full", "| LoRA r=8",
+                                                           "| QLoRA int4 r=8 (base from cpu)"]
+    assert f"| {trainable / 1e6:.3f}M |" in table[3]
+
+
+def test_dry_run_plans_a_streamed_and_a_quantized_base(tmp_path, capsys):
+    """The plan counts the base as the engine will (offload/train_plan.py's frozen bytes): the
+    layers in their home, streamed through a few device slots; a 70B dry run stays fast (all on
+    meta) and --offload auto streams the base when it does not fit the device."""
+    out = ["--output", str(tmp_path / "d"), "--dtype", "bf16", "--lora-rank", "16"]
+    assert main(["--dry-run", "--model", "70B", "--offload-params", "nvme", "--gpu-memory", "80GiB",
+                 "--activation-checkpointing", "--batch-size", "1"] + out) == 0
+    text = capsys.readouterr().out
+    assert "the frozen base's layers (127.50 GiB in bf16) stream from NVMe swap files" in text
+    assert "nvme:  127.50 GiB  (weights 127.50 GiB)" in text and "| QLoRA int4 r=16 |" in text
+    assert main(["--dry-run", "--model", "8B", "--offload", "auto", "--gpu-memory", "8GiB",
+                 "--cpu-memory", "40GiB", "--batch-size", "1", "--quantize", "int4"] + out) == 0
+    text = capsys.readouterr().out
+    assert "chose '+ frozen base streamed from host RAM'" in text
+    assert "in int4 blocks) stream from host RAM" in text
+
+
+def test_streamed_base_trains_the_resident_runs_adapter(run, tmp_path):
+    """--offload-params cpu|nvme streams the frozen base (built on meta, filled by the engine
+    layer by layer): the same adapter as the resident run to the bit, stopped on one tier and
+    resumed on the other (the fingerprint is the same whatever tier read the base), and the
+    merged model read back from the checkpoint the same too."""
+    part = str(tmp_path / "part")
+    assert main(run["fast"] + ["--output", part, "--stop-after", "2", "--offload-params", "cpu"]) == 0
+    assert main(run["fast"] + ["--output", part, "--resume", part, "--offload-params", "nvme",
+                               "--merge"]) == 0
+    assert _losses(part) == _losses(run["out"])
+    for file in ("adapter/adapter_model.safetensors", "model/model.safetensors"):
+        a, b = _tensors(os.path.join(run["out"], file)), _tensors(os.path.join(part, file))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
+    prints = []
+    for d in (run["out"], part):
+        with open(os.path.join(d, "checkpoint", "trainer_state.json")) as f:
+            prints.append(json.load(f)["lora_base_fingerprint"])
+    assert prints[0] == prints[1]
+
+
+def _dequantized_base(base: str, cache: str, out) -> str:
+    """The QLoRA run's base as the dense model it computes with: a checkpoint whose projections
+    hold the int4 blocks' dequantized weights (what PEFT merges a QLoRA adapter into)."""
+    from offload.models import CheckpointReader
+    from offload.models.quantized import QuantSettings, quantize_checkpoint
+    from offload.quant import dequantize
+
+    with CheckpointReader(base) as reader:  # the run's conversion, found in the cache
+        blocks = quantize_checkpoint(reader, QuantSettings("int4", 32), torch.float32, cache_root=cache)
+        model = build_model(reader.config, "cpu", torch.float32, source=reader)
+    for i, layer in enumerate(model.model.layers):
+        with SafetensorsFile(os.path.join(blocks.path, f"block_{i:05d}.safetensors")) as f:
+            for proj, spec in blocks.specs[i].items():
+                lin = layer.get_submodule(proj)
+                parts = {k: f.read(f"{proj}.{k}") for k in ("qweight", "scales", "mins")}
+                with torch.no_grad():
+                    lin.weight.copy_(dequantize(parts, spec, lin.in_features, torch.float32))
+    save_pretrained(model, out)
+    return str(out)
+
+
+def test_qlora_adapter_generates_in_infer_and_merges_as_peft(run, tmp_path, capsys):
+    """--quantize int4 --offload-params nvme: the base quantized once into --cache-dir and
+    streamed from its block files; the adapter is a PEFT adapter of the dequantized base
+    (runners.infer --adapter --quantize int4 reuses the same blocks and generates what
+    transformers + peft generate over it), and --merge folds it into the dequantized base."""
+    cache, out = str(tmp_path / "cache"), str(tmp_path / "q")
+    assert main(_with(run["fast"], "--steps", "2") + QLORA + ["--cache-dir", cache, "--output", out,
+                                                             "--merge"]) == 0
+    assert len(os.listdir(os.path.join(cache, "quant"))) == 1
+    assert "int4 blocks) stream from its block files" in capsys.readouterr().out
+    dense = _dequantized_base(run["base"], cache, tmp_path / "dense")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(hf, os.path.join(out, "adapter")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "model"),
+                                                               dtype=torch.float32)
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        want, got = model(ids).logits, merged(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    want = model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(IDS):].tolist()
+    rc = run_main(infer_main, ["--model", run["base"], "--adapter", os.path.join(out, "adapter"),
+                               "--quantize", "int4", "--group-size", "32", "--offload-dir", cache,
+                               "--prompt-ids", ",".join(map(str, IDS)), "--max-new-tokens", str(NEW),
+                               "--probe-seconds", "0.05", "--output-json", str(tmp_path / "g.json")])
+    assert rc == 0, capsys.readouterr().err
+    with open(tmp_path / "g.json") as f:
+        assert json.load(f)["generated_ids"] == [want]
+    assert len(os.listdir(os.path.join(cache, "quant"))) == 1  # inference reused the conversion
