@@ -129,7 +129,7 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     itemsize = cfg.torch_dtype.itemsize
     # stage 3 across ranks streams every layer from this rank's shard of it (offload/zero.py)
     stage3 = world > 1 and cfg.zero_stage == 3
-    frozen_streamed = bool(frozen_layer_bytes) and any(frozen_layer_bytes) and cfg.offload_params != "none"
+    frozen_streamed = any(frozen_layer_bytes or []) and cfg.offload_params != "none"
     streamed = set(layers) if (cfg.offload_params != "none" and not frozen_streamed) or stage3 else set()
     cuda = device.type == "cuda"
     # Host buffers that cross the link are pinned on a GPU, and pinned memory comes in powers

@@ -70,8 +70,8 @@ def reference_train(model, batches, loss_fn, *, lr, betas, eps, wd, clip, accum,
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-def engine_train(model, batches, loss_fn, cfg):
-    engine = offload.initialize(model, cfg)
+def engine_train(model, batches, loss_fn, cfg, source=None):
+    engine = offload.initialize(model, cfg, source=source)
     losses, applied = [], 0
     for batch in batches:
         loss = loss_fn(model, batch)

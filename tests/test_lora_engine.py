@@ -134,14 +134,10 @@ def test_base_on_meta_is_filled_from_the_source(params, tmp_path):
     results = []
     for model, kw in ((want_model, {}), (meta_model, {"offload_params": params})):
         cfg = _cfg("cpu", tmp_path, exact_optimizer=False, nvme_dir=str(tmp_path / f"s{len(results)}"), **kw)
-        engine = offload.initialize(model, cfg, source=seeded_init(0, cfg_model.initializer_range))
-        try:
-            for batch in batches:
-                engine.backward(hf_loss(model, batch))
-                engine.step()
-            results.append(engine.master_params())
-        finally:
-            engine.close()
+        engine, masters, _, _ = engine_train(model, batches, hf_loss, cfg,
+                                             source=seeded_init(0, cfg_model.initializer_range))
+        engine.close()
+        results.append(masters)
     assert results[0].keys() == results[1].keys()
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
 
@@ -184,15 +180,9 @@ def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
         apply_lora(model, lora, seed=1)
         cfg = _cfg("cpu", tmp_path, exact_optimizer=False, offload_params=params,
                    nvme_dir=str(tmp_path / "swap"), activation_checkpointing=ckpt)
-        engine = offload.initialize(model, cfg, source=QuantizedSource(reader, blocks))
+        engine, masters, losses, _ = engine_train(model, batches, hf_loss, cfg,
+                                                  source=QuantizedSource(reader, blocks))
         try:
-            losses = []
-            for batch in batches:
-                loss = hf_loss(model, batch)
-                engine.backward(loss)
-                losses.append(loss.item())
-                engine.step()
-            masters = engine.master_params()
             assert type(engine.streaming).__name__ == "FrozenBaseStreamer"
             # the plan counts the int4 base as stored (codes, fp16 scales) and equals what was made
             planned = {(t, k): v for t, kinds in engine.plan.bytes.items() for k, v in kinds.items() if v}
