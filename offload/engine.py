@@ -34,6 +34,7 @@ from offload import engine_state, placement
 from offload.delayed import Delayed
 from offload.engine_state import NonFiniteError, StateError
 from offload.gpu import GpuPhaseTimer
+from offload.mapped import forget
 from offload.grads import GradLanding
 from offload.optstate import NvmeState, ResidentState
 from offload.step_paths import AfterBackward, Overlapped
@@ -83,6 +84,7 @@ class Engine:
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         self._norm_order = sorted(self.param_names, key=order.__getitem__)
         self.account = MemoryAccount()
+        self.mapped: list[torch.Tensor] = []  # frozen weights mapped from swap files (placement)
         self.links = {k: LinkCounter() for k in ("d2h", "h2d", "nvme_read", "nvme_write",
                                                  "stream_h2d", "stream_disk", "act_offload")}
         self.lr = cfg.lr
@@ -535,6 +537,8 @@ class Engine:
         if self.streaming is not None:
             parts.append(self.streaming.close)
         parts.append(self.state.close)
+        # mapped frozen weights (offload/mapped.py) stay usable; their maps are no longer tracked
+        parts += [lambda t=t: forget(t) for t in self.mapped]
         if self.store is not None:
             # the store was given the engine: it does not close it
             parts += [self.store.close, self.store.engine.close]

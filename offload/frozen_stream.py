@@ -59,8 +59,9 @@ class FrozenBaseStreamer(BlockHooks):
         `checkpoint_name(parameter name)` -- a quantized base (QLoRA: offload/models/quantized.py's
         block files), streamed as a byte block exactly as inference streams it; nothing is
         copied or written at start."""
-        if tier not in ("cpu", "nvme"):
-            raise StreamError(f"a frozen base streams from cpu or nvme, not {tier!r}")
+        if tier not in ("cpu", "nvme") and not (tier == "device" and files is not None):
+            raise StreamError(f"a frozen base streams from cpu or nvme, not {tier!r} (a 16-bit base "
+                              f"on the device is placed with the model's other frozen parameters)")
         self.layers, self.tier, self.store = layers, tier, store
         n = len(layers)
         if files is not None:
@@ -116,7 +117,9 @@ class FrozenBaseStreamer(BlockHooks):
                            nvme_ahead, pin, fetch_delay_s, account) -> None:
         """The base is in files already (a quantized base): each layer's frozen parameters are
         mapped onto their stored ranges and streamed as one byte block, every parameter in its
-        own dtype (codes, fp16 scales, norms)."""
+        own dtype (codes, fp16 scales, norms). `tier` "device": each block is read onto the
+        device once and stays there (inference's residency "device"); the hooks then bind the
+        same buffer at every use."""
         renamed = []
         for li, layer in enumerate(layers):
             stored = {r.name: r for r in files[li]}
@@ -127,13 +130,19 @@ class FrozenBaseStreamer(BlockHooks):
                     raise StreamError(f"layer {li}: the stored base has no {checkpoint_name(rel)!r}")
                 ranges.append(TensorRange(rel, r.path, r.offset, r.nbytes, r.dtype))
             renamed.append(ranges)
-            account.add("nvme" if tier == "nvme" else "host", "weights", sum(r.nbytes for r in ranges))
+            nbytes = sum(r.nbytes for r in ranges)
+            if tier == "device":  # loaded once, kept: counted like the other frozen weights there
+                account.add("device", "frozen", nbytes)
+            else:
+                account.add("nvme" if tier == "nvme" else "host", "weights", nbytes)
         self.streamer = BlockStreamer(layers, [tier] * len(layers), device=device,
                                       dtype=torch.uint8, files=renamed, host_ahead=host_ahead,
                                       nvme_ahead=nvme_ahead, pin=pin, zero_copy_host=False,
                                       fetch_delay_s=fetch_delay_s, frozen_only=True)
-        account.add("device", "weights", sum(s.raw.numel() for s in self.streamer.slots))
-        account.add("host", "buffers", sum(s.raw.numel() for s in self.streamer.staging))
+        for tier_kind, nbytes in ((("device", "weights"), sum(s.raw.numel() for s in self.streamer.slots)),
+                                  (("host", "buffers"), sum(s.raw.numel() for s in self.streamer.staging))):
+            if nbytes:
+                account.add(*tier_kind, nbytes)
         self._install_hooks()
 
     def _name(self, li: int) -> str:

@@ -21,6 +21,7 @@ from offload.block_layout import streamed_params
 from offload.blocks import bind_views, gather_flat, move_frozen_and_buffers
 from offload.config import ConfigError, OffloadConfig
 from offload.frozen_stream import FrozenBaseStreamer
+from offload.mapped import map_frozen, maps_frozen_rest
 from offload.lora import base_checkpoint_name
 from offload.train_stream import TrainingStreamer
 from offload.zero import ShardGather, ZeroGroup, ensure_process_group, rank_dir
@@ -116,9 +117,15 @@ def _start_streaming(e: "Engine", model: nn.Module, stream_flats: list, frozen_b
     # frozen parameters still on meta come from the source under their checkpoint names
     fill_frozen = ((lambda views: fill({base_checkpoint_name(n): v for n, v in views.items()}))
                    if fill is not None else None)
-    if frozen_base:
+    # a quantized base (QLoRA) is a byte block in its files whatever its tier: on the device it
+    # is loaded once by the same streamer, as inference's residency "device" (a 16-bit base
+    # there is an ordinary frozen parameter, placed below)
+    quantized_resident = (not frozen_base and cfg.offload_params == "none" and e.layers is not None
+                          and hasattr(source, "layer_ranges"))
+    if frozen_base or quantized_resident:
         e.streaming = FrozenBaseStreamer(
-            e.layers, cfg.offload_params, device=e.device, dtype=e.dtype, pin=e.pin,
+            e.layers, "device" if quantized_resident else cfg.offload_params,
+            device=e.device, dtype=e.dtype, pin=e.pin,
             store=e.store, account=e.account, host_ahead=1, nvme_ahead=cfg.prefetch_blocks,
             source=fill_frozen, prefix=f"{e.block_list_path}.",
             # a quantized base (QLoRA) is streamed from its block files as they are
@@ -127,6 +134,12 @@ def _start_streaming(e: "Engine", model: nn.Module, stream_flats: list, frozen_b
             checkpoint_name=base_checkpoint_name)
         trainable.update(id(p) for layer in e.layers
                          for p in streamed_params(layer, frozen_only=True).values())
+    if maps_frozen_rest(cfg.offload_params, e.device):
+        # the device is the host: the embeddings and head are read through a map of their
+        # swap files rather than held (offload/mapped.py)
+        e.mapped = map_frozen(model, e.store, e.dtype, trainable, fill_frozen)
+        if e.mapped:
+            e.account.add("nvme", "frozen", sum(t.numel() * t.element_size() for t in e.mapped))
     moved = move_frozen_and_buffers(model, e.device, e.dtype, trainable, fill_frozen)
     if moved:
         e.account.add("device", "frozen", moved)

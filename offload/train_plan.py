@@ -23,6 +23,7 @@ from offload.blocks import resident_weight_bytes
 from offload.config import ConfigError, OffloadConfig, format_bytes
 from offload.delayed import Delayed
 from offload.grads import GradLanding
+from offload.mapped import maps_frozen_rest
 from offload.optstate import NvmeState, ResidentState
 from offload.stepper import BlockStepper
 from offload.tiers import (TIERS, BudgetError, PlanBytes, check_fits, device_free_bytes,
@@ -156,9 +157,12 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         parts.append(TrainingStreamer.plan_bytes(  # FrozenBaseStreamer allocates the same
             [n for n in frozen_layer_bytes if n], cfg.offload_params, 1, cuda=cuda, pin=pin,
             host_ahead=1, nvme_ahead=cfg.prefetch_blocks))
-    frozen_device = frozen_resident_bytes + (0 if frozen_streamed else sum(frozen_layer_bytes or []))
-    if frozen_device:
-        parts.append({("device", "frozen"): frozen_device})
+    frozen_device = 0 if frozen_streamed else sum(frozen_layer_bytes or [])
+    # the frozen parameters outside the layers: mapped from swap files or resident (mapped.py)
+    rest_tier = "nvme" if maps_frozen_rest(cfg.offload_params, device) else "device"
+    for tier, nbytes in ((rest_tier, frozen_resident_bytes), ("device", frozen_device)):
+        if nbytes:
+            parts.append({(tier, "frozen"): nbytes})
     if cfg.offload == "nvme":
         parts.append(NvmeState.plan_bytes(state_sizes, cfg.buffer_count, cfg.sub_group_size))
     else:

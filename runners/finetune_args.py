@@ -221,7 +221,7 @@ def _lora_combination_error(args: argparse.Namespace, base: dict, auto: bool,
                             world: int) -> str | None:
     """Why the engine options cannot train LoRA adapters here (None when they can), spelt as
     flags. The frozen base is resident or streamed (offload_params) in one process; the engine
-    does not stream a frozen base across ranks, nor hold a quantized one on the device."""
+    does not stream a frozen base across ranks, nor keep a quantized one there."""
     if not args.lora_rank:
         return None
     params = base.get("offload_params", "none")
@@ -232,10 +232,6 @@ def _lora_combination_error(args: argparse.Namespace, base: dict, auto: bool,
         return (f"{what} with --lora-rank across {world} ranks: the frozen base is streamed "
                 f"(and a quantized one kept) by one process only; run one process, or use "
                 f"--offload-params none without --quantize")
-    if args.quantize != "none" and not auto and params == "none":
-        return (f"--quantize {args.quantize} (QLoRA) streams the quantized base as stored: add "
-                f"--offload-params cpu (or nvme); a quantized base resident on the device is "
-                f"not built yet")
     if world > 1 and base.get("zero_stage") == 3:
         return ("--zero-stage 3 with --lora-rank: stage 3 streams each layer's weights from the "
                 "ranks' shards, which runners.finetune does not do for a LoRA base; use "

@@ -36,6 +36,7 @@ from nvme.format import fsync_dir, write_file, write_json_atomic
 from offload.config import format_bytes
 from offload.lora import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraConfig, apply_lora,
                           base_checkpoint_name, load_adapter)
+from offload.mapped import maps_frozen_rest
 from runners.common import fail
 from runners.finetune_args import lora_config
 from runners import finetune_qlora as qlora
@@ -132,12 +133,11 @@ class LoraRun:
 
     def candidates(self, world: int) -> list[tuple[str, dict]]:
         """--offload auto's configurations: the planner's frozen-base list, less what the
-        engine does not build (a streamed base across ranks, a resident quantized one)."""
+        engine does not build (a streamed base across ranks)."""
         from offload.train_plan import FROZEN_BASE_CANDIDATES
 
         return [(label, c) for label, c in FROZEN_BASE_CANDIDATES
-                if (world == 1 or c["offload_params"] == "none")
-                and (not self.quantize or c["offload_params"] != "none")]
+                if world == 1 or c["offload_params"] == "none"]
 
     def describe(self, model_cfg, adapters: list[tuple[int, bool]],
                  frozen: tuple[list[int], int], cfg) -> str:
@@ -155,8 +155,11 @@ class LoraRun:
         else:
             home = ("host RAM" if cfg.offload_params == "cpu" else
                     "its block files" if self.quantize else "NVMe swap files")
+            rest_where = ("is mapped from its swap files"
+                          if maps_frozen_rest(cfg.offload_params, cfg.resolve_device())
+                          else "stays on the device")
             where = (f"the frozen base's layers ({format_bytes(layers)} in {kind}) stream from "
-                     f"{home} one layer ahead, the rest ({format_bytes(rest)}) stays on the device")
+                     f"{home} one layer ahead, the rest ({format_bytes(rest)}) {rest_where}")
         return (f"  lora      rank {c.rank}, alpha {c.alpha:g} (scaling {c.scaling:g}), dropout "
                 f"{c.dropout:g} on {short}: {trainable / 1e6:.3f}M trainable parameters of "
                 f"{(base + trainable) / 1e6:.2f}M ({100 * trainable / (base + trainable):.2f}%); "
@@ -173,20 +176,17 @@ class LoraRun:
                 f"--micro-batch-size or --seq-len, --activation-checkpointing, or --offload auto")
 
     def methods_table(self, model_cfg, cfg) -> str:
-        """The dry run's full / LoRA / QLoRA table (offload/lora_plan.py) for these settings;
-        the QLoRA row's base streamed from host RAM where cfg keeps the base resident, since
-        this runner streams a quantized base."""
+        """The dry run's full / LoRA / QLoRA table (offload/lora_plan.py) for these settings."""
         from offload.lora_plan import format_methods, plan_methods
 
         rows = plan_methods(model_cfg, cfg, self.cfg, quantize=self.quantize or "int4",
-                            qlora_params="cpu" if cfg.offload_params == "none" else None,
                             group_size=self.args.group_size)
         return ("methods (these settings, planned on meta; model states, no activations):\n"
                 + format_methods(rows))
 
     # ---- the model ---------------------------------------------------------------------------
     def build(self, model_cfg, source, device: torch.device, dtype: torch.dtype,
-              ) -> tuple[nn.Module, "RecordingSource"]:
+              offload_params: str = "none") -> tuple[nn.Module, "RecordingSource"]:
         """(the model, the source to initialise the engine with): the base on meta but for the
         embeddings, final norm and head (on the device; a tied head is re-tied to its
         embedding, which the engine's fill of one parameter would not do), the adapters added.
@@ -203,7 +203,10 @@ class LoraRun:
         model = build_model(model_cfg, "meta", dtype)
         if self.blocks is not None:
             quantize_layers(model, self.blocks.specs, dtype)
-        materialize_non_block(model, device, dtype, self.source)
+        if not maps_frozen_rest(offload_params, device):
+            materialize_non_block(model, device, dtype, self.source)
+        # else the engine writes them into the swap directory one at a time and maps them there
+        # (offload/mapped.py): they are never resident, not even while the engine starts
         apply_lora(model, self.cfg, seed=self.seed)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
         return model, self.source

@@ -6,7 +6,8 @@ The model is built on the meta device (nothing allocated), wrapped with LoRA ada
 base is generated from a seed and written to its swap file one layer at a time (init writes the
 random base once), then streamed through forward, recompute and backward
 (offload/frozen_stream.py); the adapters' fp32 masters and moments live in host RAM. The
-embeddings and head stay resident (frozen, bf16). Full fine-tuning of the same model would need
+embeddings and head (frozen, bf16) are written once into the swap directory and read through a
+memory map, a slice at a time (offload/mapped.py: the device here is the host). Full fine-tuning of the same model would need
 16 bytes per parameter of model state (printed beside it).
 
     python scripts/bench_lora.py                        # 8B, r = 16, bf16 base, 1 x 32 tokens

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import offload
+from offload import mapped
 from offload.lora import LoraConfig, apply_lora, lora_state_dict
 from offload.models import build_model, preset
 from tests.test_engine import _cfg, engine_train, hf_loss, lm_batches, max_rel_diff, reference_train
@@ -104,6 +105,8 @@ def test_lora_plan_equals_measured_allocation(mode, params, tmp_path):
             engine.step()
         planned = {(t, k): v for t, kinds in engine.plan.bytes.items() for k, v in kinds.items() if v}
         assert planned == engine.account.kind_peaks()
+        assert mapped.is_mapped(model.model.embed_tokens.weight) == (params == "nvme")
+        assert mapped.is_mapped(model.lm_head.weight) == (params == "nvme")
     finally:
         engine.close()
     state = sum(v for (t, k), v in planned.items() if k in ("masters", "moments"))
@@ -112,9 +115,12 @@ def test_lora_plan_equals_measured_allocation(mode, params, tmp_path):
     frozen_device = planned.get(("device", "frozen"), 0)
     if params == "none":
         assert frozen_device == 2 * base  # the whole base, bf16, on the device
-    else:  # only the embeddings, final norm and head stay; the layers' base is in its tier
+    elif params == "cpu":  # only the embeddings, final norm and head stay; the layers' base is in its tier
         assert frozen_device == 2 * (base - layers)
-        assert planned[("host" if params == "cpu" else "nvme", "weights")] == 2 * layers
+        assert planned[("host", "weights")] == 2 * layers
+    else:  # base on NVMe, device = host: the embeddings, norm and head are mapped from swap files
+        assert frozen_device == 0 and planned[("nvme", "frozen")] == 2 * (base - layers)
+        assert planned[("nvme", "weights")] == 2 * layers
 
 
 @pytest.mark.parametrize("params", ["none", "nvme"])
@@ -142,12 +148,13 @@ def test_base_on_meta_is_filled_from_the_source(params, tmp_path):
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
 
 
-@pytest.mark.parametrize("params,ckpt", [("cpu", True), ("nvme", False)])
+@pytest.mark.parametrize("params,ckpt", [("cpu", True), ("nvme", False), ("none", True)])
 def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
     """QLoRA: the base's projections are int4 blocks (offload/models/quantized.py), streamed as
     the byte blocks they are stored as (from RAM or straight from their files) through forward,
-    recompute and backward, dequantized at each product; the adapters train exactly as over a
-    plain base holding the dequantized weights, with torch's AdamW(fused=True)."""
+    recompute and backward, or loaded once onto the device (offload_params "none"), dequantized
+    at each product; the adapters train exactly as over a plain base holding the dequantized
+    weights, with torch's AdamW(fused=True)."""
     from safetensors.torch import load_file
 
     from offload.models import CheckpointReader, save_pretrained
@@ -187,9 +194,14 @@ def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
             # the plan counts the int4 base as stored (codes, fp16 scales) and equals what was made
             planned = {(t, k): v for t, kinds in engine.plan.bytes.items() for k, v in kinds.items() if v}
             assert planned == engine.account.kind_peaks()
-            base_tier = "host" if params == "cpu" else "nvme"
-            assert planned[(base_tier, "weights")] == sum(
-                r.nbytes for i in range(cfg_model.num_hidden_layers) for r in blocks.ranges(i))
+            stored = sum(r.nbytes for i in range(cfg_model.num_hidden_layers) for r in blocks.ranges(i))
+            if params == "none":  # resident: the int4 layers beside the fp32 embeddings and head
+                rest = sum(p.numel() * 4 for n, p in model.named_parameters()
+                           if not p.requires_grad and not n.startswith("model.layers."))
+                assert planned[("device", "frozen")] == stored + rest
+                assert ("device", "weights") not in planned  # no slots: nothing streams
+            else:
+                assert planned[("host" if params == "cpu" else "nvme", "weights")] == stored
         finally:
             engine.close()
     assert masters.keys() == {n for n, p in ref_model.named_parameters() if p.requires_grad}

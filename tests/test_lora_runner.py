@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from nvme.format import SafetensorsFile
 from offload.models import build_model, preset, save_pretrained
@@ -139,8 +140,6 @@ def test_bad_lora_flags_are_one_line(run, tmp_path, capsys):
     _bad(out + ["--lora-rank", "4", "--lora-targets", "q,lm_head"], capsys, "--lora-targets: unknown")
     # QLoRA's flags: a LoRA run's base, streamed and recomputed; the settings belong to --quantize
     _bad(out + ["--quantize", "int4"], capsys, "add --lora-rank R; quantized weights are not trained")
-    _bad(out + ["--lora-rank", "4", "--quantize", "int4"], capsys,
-         "streams the quantized base as stored: add --offload-params cpu")
     _bad(out + ["--group-size", "32"], capsys, "--group-size is a --quantize setting")
     _bad(out + ["--lora-rank", "4", "--cache-dir", str(tmp_path)], capsys, "--cache-dir is a --quantize setting")
     _bad(out + ["--lora-rank", "4", "--quantize", "int4", "--group-size", "7"], capsys,
@@ -174,11 +173,10 @@ def test_dry_run_counts_the_adapters_and_the_frozen_base(tmp_path, capsys):
     assert f"{trainable / 1e6:.3f}M trainable parameters of" in text
     assert "frozen 1.21 MiB" in text and "stays on the device" in text
     assert "memory estimator" not in text  # the ZeRO table prices a full fine-tune
-    # under the plan, the methods side by side (offload/lora_plan.py); the runner streams a
-    # quantized base, so QLoRA's row is planned streamed from host RAM
+    # under the plan, the methods side by side (offload/lora_plan.py), each base where this
+    # run keeps it (a quantized base too: loaded onto the device once)
     table = text[text.index("| method |"):].splitlines()
-    assert [row.split(" | ")[0] for row in table[2:5]] == ["| full", "| LoRA r=8",
-                                                           "| QLoRA int4 r=8 (base from cpu)"]
+    assert [row.split(" | ")[0] for row in table[2:5]] == ["| full", "| LoRA r=8", "| QLoRA int4 r=8"]
     assert f"| {trainable / 1e6:.3f}M |" in table[3]
 
 
@@ -191,9 +189,16 @@ def test_dry_run_plans_a_streamed_and_a_quantized_base(tmp_path, capsys):
                  "--activation-checkpointing", "--batch-size", "1"] + out) == 0
     text = capsys.readouterr().out
     assert "the frozen base's layers (127.50 GiB in bf16) stream from NVMe swap files" in text
-    assert "nvme:  127.50 GiB  (weights 127.50 GiB)" in text and "| QLoRA int4 r=16 |" in text
-    assert main(["--dry-run", "--model", "8B", "--offload", "auto", "--gpu-memory", "8GiB",
-                 "--cpu-memory", "40GiB", "--batch-size", "1", "--quantize", "int4"] + out) == 0
+    # no GPU here: the device is the host, so the embeddings and head are mapped from NVMe too
+    assert "the rest (1000.02 MiB) is mapped from its swap files" in text
+    assert "nvme:  128.48 GiB  (weights 127.50 GiB, frozen 1000.02 MiB)" in text
+    assert "| QLoRA int4 r=16 |" in text
+    qlora = ["--dry-run", "--model", "8B", "--offload", "auto", "--cpu-memory", "40GiB",
+             "--batch-size", "1", "--quantize", "int4"] + out
+    assert main(qlora + ["--gpu-memory", "8GiB"]) == 0  # 5.61 GiB of int4 base fits: kept there
+    text = capsys.readouterr().out
+    assert "chose 'all on the device'" in text and "(5.61 GiB in int4 blocks) stays on the device" in text
+    assert main(qlora + ["--gpu-memory", "5GiB"]) == 0
     text = capsys.readouterr().out
     assert "chose '+ frozen base streamed from host RAM'" in text
     assert "in int4 blocks) stream from host RAM" in text
@@ -250,6 +255,14 @@ def test_qlora_adapter_generates_in_infer_and_merges_as_peft(run, tmp_path, caps
                                                              "--merge"]) == 0
     assert len(os.listdir(os.path.join(cache, "quant"))) == 1
     assert "int4 blocks) stream from its block files" in capsys.readouterr().out
+    # the same base kept on the device (loaded once from the same blocks): the same adapter
+    resident = [a if a != "nvme" else "none" for a in QLORA]
+    assert main(_with(run["fast"], "--steps", "2") + resident + ["--cache-dir", cache, "--output",
+                                                                str(tmp_path / "qr")]) == 0
+    assert "int4 blocks) stays on the device" in capsys.readouterr().out
+    adapter = os.path.join("adapter", "adapter_model.safetensors")
+    streamed, kept = load_file(os.path.join(out, adapter)), load_file(str(tmp_path / "qr" / adapter))
+    assert streamed.keys() == kept.keys() and all(torch.equal(streamed[k], kept[k]) for k in kept)
     dense = _dequantized_base(run["base"], cache, tmp_path / "dense")
     hf = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(hf, os.path.join(out, "adapter")).eval()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offload import mapped
 from offload.models import kernels
 from offload.models.config import ModelConfig, block_prefix
 
@@ -136,8 +137,10 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x [..., in] -> [..., out]; the same math, a faster kernel for few rows."""
     if not isinstance(layer, nn.Linear):  # a quantized projection brings its own kernel
         return layer(x)
-    if (torch.is_grad_enabled() and x.requires_grad and not layer.weight.requires_grad
-            and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)):
+    if x.device.type == "cpu" and not layer.weight.requires_grad and (
+            mapped.is_mapped(layer.weight)  # read a slice at a time, forward and backward
+            or (torch.is_grad_enabled() and x.requires_grad
+                and x.dtype in (torch.bfloat16, torch.float16))):
         return _FrozenProjectionCPU.apply(x, layer.weight, layer.bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     # inference mode, not merely no-grad: activation checkpointing runs training forwards under
@@ -159,17 +162,27 @@ FROZEN_GRAD_CHUNK_BYTES = 64 << 20  # fp32 rows of a frozen weight per step of i
 
 
 class _FrozenProjectionCPU(torch.autograd.Function):
-    """x @ W^T (+ b) with a frozen 16-bit W on the CPU (a LoRA base, a frozen head), whose input
+    """x @ W^T (+ b) with a frozen W on the CPU (a LoRA base, a frozen head), whose input
     gradient grad @ W is taken in fp32 and rounded once. torch's CPU bf16 product of that layout
     ([rows, out] @ [out, in]) is pathologically slow without native bf16 instructions: 13.3 s
     for [32, 14336] @ [14336, 4096] against 0.23 s through fp32, one thread, AMD EPYC, torch
     2.13 -- an 8B LoRA update took over half an hour in it. The forward is F.linear as before;
-    the gradient is the exact product rounded once instead of bf16 GEMM rounding."""
+    the gradient is the exact product rounded once instead of bf16 GEMM rounding.
+    A W mapped from its swap file (offload/mapped.py) is read FROZEN_GRAD_CHUNK_BYTES of fp32
+    rows at a time in the forward too, each slice's pages handed back after its product, so
+    the whole of it is never in the resident set."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(weight)
-        return F.linear(x, weight, bias)  # [..., out]
+        if not mapped.is_mapped(weight):
+            return F.linear(x, weight, bias)  # [..., out]
+        out_f = weight.shape[0]
+        y = x.new_empty(*x.shape[:-1], out_f)  # [..., out]
+        for a, b in _row_slices(weight):
+            y[..., a:b] = F.linear(x, weight[a:b], None if bias is None else bias[a:b])
+            mapped.release_pages(weight[a:b])
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -177,12 +190,19 @@ class _FrozenProjectionCPU(torch.autograd.Function):
         out_f, in_f = weight.shape
         # fp32 copies of at most FROZEN_GRAD_CHUNK_BYTES of W at a time: the whole of an 8B
         # model's head in fp32 would be a 2 GiB temporary
-        rows = max(1, FROZEN_GRAD_CHUNK_BYTES // (4 * in_f))
         g = grad.reshape(-1, out_f)  # [n, out]
         acc = torch.zeros(g.shape[0], in_f, dtype=torch.float32)  # [n, in]
-        for a in range(0, out_f, rows):
-            acc.addmm_(g[:, a:a + rows].float(), weight[a:a + rows].float())
+        for a, b in _row_slices(weight):
+            acc.addmm_(g[:, a:b].float(), weight[a:b].float())
+            mapped.release_pages(weight[a:b])
         return acc.to(grad.dtype).view(*grad.shape[:-1], in_f), None, None
+
+
+def _row_slices(weight: torch.Tensor) -> list[tuple[int, int]]:
+    """[a, b) row ranges of `weight` [out, in] of at most FROZEN_GRAD_CHUNK_BYTES in fp32."""
+    out_f, in_f = weight.shape
+    rows = max(1, FROZEN_GRAD_CHUNK_BYTES // (4 * max(1, in_f)))
+    return [(a, min(out_f, a + rows)) for a in range(0, out_f, rows)]
 
 
 class _HeadProjection(torch.autograd.Function):
