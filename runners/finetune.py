@@ -233,7 +233,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
         fail(f"--resume {args.resume}: the data differs from the run that saved the checkpoint")
 
     if lora is not None:  # the base on meta, filled by the engine, and the adapters (finetune_lora.py)
-        model, source = lora.build(model_cfg, source, device, cfg.torch_dtype, cfg.offload_params)
+        model, source = lora.build(model_cfg, source, device, cfg.torch_dtype, cfg.offload_params, ranks)
     torch.manual_seed(args.seed)
     engine = offload.initialize(model, cfg, source=source)
     try:

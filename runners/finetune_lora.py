@@ -186,7 +186,7 @@ class LoraRun:
 
     # ---- the model ---------------------------------------------------------------------------
     def build(self, model_cfg, source, device: torch.device, dtype: torch.dtype,
-              offload_params: str = "none") -> tuple[nn.Module, "RecordingSource"]:
+              offload_params: str = "none", ranks=None) -> tuple[nn.Module, "RecordingSource"]:
         """(the model, the source to initialise the engine with): the base on meta but for the
         embeddings, final norm and head (on the device; a tied head is re-tied to its
         embedding, which the engine's fill of one parameter would not do), the adapters added.
@@ -196,8 +196,15 @@ class LoraRun:
 
         if self.quantize:
             from offload.models.quantized import QuantizedSource, quantize_layers
+            # torchrun: each machine's local rank 0 converts (once, into the shared cache) while
+            # the others wait, then they find the finished conversion and reuse it
+            first = ranks is None or not ranks.many or ranks.local == 0
+            if not first:
+                ranks.barrier()
             reader, self.blocks = qlora.convert(self.args, model_cfg, source,
                                                 qlora.cache_root(self.args.cache_dir), dtype)
+            if first and ranks is not None and ranks.many:
+                ranks.barrier()
             source = QuantizedSource(reader, self.blocks)
         self.source = RecordingSource(source)
         model = build_model(model_cfg, "meta", dtype)
