@@ -221,7 +221,8 @@ class Engine:
         self.plan = plan_training([(b.numel, b.module is not None) for b in self.blocks],
                                   self.cfg, self.device, world=self.world,
                                   frozen_layer_bytes=frozen_layers,
-                                  frozen_resident_bytes=frozen_rest)
+                                  frozen_resident_bytes=frozen_rest,
+                                  frozen_in_place=hasattr(source, "layer_ranges"))
         self.plan.check()
 
     def _make_state(self):

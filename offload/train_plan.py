@@ -40,6 +40,9 @@ class TrainingPlan:
     max_block_params: int
     num_blocks: int
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> kind -> bytes
+    # NVMe-tier bytes read from where they already are (a quantized base's block files in their
+    # cache), not written into nvme_dir: the disk check leaves them out
+    nvme_in_place: int = 0
 
     def total(self, tier: str) -> int:
         return sum(self.bytes.get(tier, {}).values())
@@ -65,8 +68,8 @@ class TrainingPlan:
                        host_free_bytes(), what + " (device and host tiers share the CPU's RAM)",
                        delayed + ("a smaller model" if cfg.offload == "nvme" else
                                   "use offload='nvme' or a smaller model"))
-        if cfg.offload == "nvme":
-            check_fits("nvme", self.total("nvme"), cfg.budget_bytes("nvme"),
+        if cfg.offload == "nvme" or cfg.offload_params == "nvme":  # what is written into nvme_dir
+            check_fits("nvme", self.total("nvme") - self.nvme_in_place, cfg.budget_bytes("nvme"),
                        disk_free_bytes(cfg.nvme_dir or "."), what,
                        f"free disk space under {cfg.nvme_dir} or choose another offload dir")
 
@@ -111,7 +114,7 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
                   device: torch.device | None = None,
                   activations: ActivationEstimate | None = None, world: int = 1,
                   frozen_layer_bytes: list[int] | None = None,
-                  frozen_resident_bytes: int = 0) -> TrainingPlan:
+                  frozen_resident_bytes: int = 0, frozen_in_place: bool = False) -> TrainingPlan:
     """Bytes per tier for training a model whose trainable parameters form `blocks`
     ((element count, is a ModuleList layer) each), under `cfg`; activations when estimated.
     `world` > 1: one of that many data-parallel ranks (cfg.zero_stage; offload/zero.py) --
@@ -123,7 +126,8 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     (blocks.frozen_bytes), are streamed when offload_params is set (offload/frozen_stream.py;
     the trainable blocks then stay resident), else resident on the device like
     `frozen_resident_bytes` (frozen parameters outside the layers): "frozen" weights that never
-    get a gradient, master or moment."""
+    get a gradient, master or moment. `frozen_in_place`: the layers' base is read from files
+    it is already in (a quantized base's blocks), so on NVMe it takes no room in nvme_dir."""
     device = device or cfg.resolve_device()
     sizes = [n for n, _ in blocks]
     layers = [i for i, (_, is_layer) in enumerate(blocks) if is_layer]
@@ -181,6 +185,8 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     if activations is not None:
         parts.append(activation_bytes(activations, cfg, len(layers), pin))
     plan = TrainingPlan(cfg, device, sum(sizes), max(sizes), len(blocks))
+    if frozen_in_place and frozen_streamed and cfg.offload_params == "nvme":
+        plan.nvme_in_place = sum(frozen_layer_bytes)
     plan.bytes = {tier: {} for tier in TIERS}
     for part in parts:
         for (tier, kind), nbytes in part.items():
@@ -246,8 +252,8 @@ def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
                            device: torch.device, activations: ActivationEstimate | None = None,
                            world: int = 1, frozen_layer_bytes: list[int] | None = None,
                            frozen_resident_bytes: int = 0,
-                           candidates: list[tuple[str, dict]] | None = None
-                           ) -> tuple[OffloadConfig, str]:
+                           candidates: list[tuple[str, dict]] | None = None,
+                           frozen_in_place: bool = False) -> tuple[OffloadConfig, str]:
     """The fastest candidate configuration that fits the budgets (NVMe ones only when
     base.nvme_dir is set), and a sentence saying why. Raises BudgetError saying what would fit.
     A frozen base (plan_training's frozen_* bytes) is weighed as the plan counts it, and tried
@@ -264,7 +270,8 @@ def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
             continue
         why = plan_fits(plan_training(blocks, cfg, device, activations, world=world,
                                       frozen_layer_bytes=frozen_layer_bytes,
-                                      frozen_resident_bytes=frozen_resident_bytes))
+                                      frozen_resident_bytes=frozen_resident_bytes,
+                                      frozen_in_place=frozen_in_place))
         if why is None:
             return cfg, f"chose '{label}': the fastest configuration that fits the budgets"
         last_error = why

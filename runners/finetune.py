@@ -153,13 +153,15 @@ def run(args: argparse.Namespace) -> int:
         try:
             cfg, choice = choose_training_config(
                 shape, cfg, device, acts, world=ranks.world, frozen_layer_bytes=frozen[0],
-                frozen_resident_bytes=frozen[1], candidates=lora.candidates(ranks.world) if lora else None)
+                frozen_resident_bytes=frozen[1], candidates=lora.candidates(ranks.world) if lora else None,
+                frozen_in_place=bool(lora and lora.quantize))
         except BudgetError:
             if args.dry_run and lora is None:  # still show what each configuration would need
                 print(estimator_table(shape, cfg, device, acts))
             raise
     plan = plan_training(shape, cfg, device, acts, world=ranks.world,
-                         frozen_layer_bytes=frozen[0], frozen_resident_bytes=frozen[1])
+                         frozen_layer_bytes=frozen[0], frozen_resident_bytes=frozen[1],
+                         frozen_in_place=bool(lora and lora.quantize))
     lora_line = lora.describe(model_cfg, shape, frozen, cfg) if lora is not None else None
     advice = lora.budget_advice(cfg, frozen) if lora is not None else None
     banner = Banner(args, cfg, model_cfg, plan, device, choice, ranks.world, lora_line)

@@ -14,6 +14,7 @@ import torch
 
 import offload
 from offload import mapped
+from offload.config import OffloadConfig
 from offload.lora import LoraConfig, apply_lora, lora_state_dict
 from offload.models import build_model, preset
 from tests.test_engine import _cfg, engine_train, hf_loss, lm_batches, max_rel_diff, reference_train
@@ -234,3 +235,20 @@ def test_methods_table_plans_what_the_engine_plans(params, tmp_path):
     assert qlora.plan.bytes[base_tier[0]][base_tier[1]] < ratio * lora_row.plan.bytes[base_tier[0]][base_tier[1]]
     table = format_methods([full, lora_row, qlora])
     assert table.count("\n") == 4 and "QLoRA int4 r=4" in table
+
+
+def test_disk_check_counts_only_what_is_written_into_the_offload_dir(tmp_path):
+    """A base streamed from NVMe is written into nvme_dir (checked against its budget and free
+    space even when the optimizer state stays in RAM); a quantized base read from its block
+    files in place takes no room there."""
+    from offload.tiers import BudgetError
+    from offload.train_plan import plan_training
+
+    cfg = OffloadConfig(offload="cpu", offload_params="nvme", nvme_dir=str(tmp_path),
+                        nvme_budget="2MiB", dtype="bf16")
+    blocks = [(1000, False)] + [(1000, True)] * 4
+    with pytest.raises(BudgetError, match="needs 4.00 MiB on the nvme tier, more than the nvme budget"):
+        plan_training(blocks, cfg, frozen_layer_bytes=[1 << 20] * 4).check()
+    plan = plan_training(blocks, cfg, frozen_layer_bytes=[1 << 20] * 4, frozen_in_place=True)
+    assert plan.bytes["nvme"]["weights"] == 4 << 20 and plan.nvme_in_place == 4 << 20
+    plan.check()

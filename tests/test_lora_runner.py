@@ -185,14 +185,21 @@ def test_dry_run_plans_a_streamed_and_a_quantized_base(tmp_path, capsys):
     layers in their home, streamed through a few device slots; a 70B dry run stays fast (all on
     meta) and --offload auto streams the base when it does not fit the device."""
     out = ["--output", str(tmp_path / "d"), "--dtype", "bf16", "--lora-rank", "16"]
-    assert main(["--dry-run", "--model", "70B", "--offload-params", "nvme", "--gpu-memory", "80GiB",
-                 "--activation-checkpointing", "--batch-size", "1"] + out) == 0
+    streamed = ["--dry-run", "--offload-params", "nvme", "--gpu-memory", "80GiB",
+                "--activation-checkpointing", "--batch-size", "1"] + out
+    assert main(streamed + ["--model", "8B"]) == 0
     text = capsys.readouterr().out
-    assert "the frozen base's layers (127.50 GiB in bf16) stream from NVMe swap files" in text
+    assert "the frozen base's layers (13.00 GiB in bf16) stream from NVMe swap files" in text
     # no GPU here: the device is the host, so the embeddings and head are mapped from NVMe too
-    assert "the rest (1000.02 MiB) is mapped from its swap files" in text
-    assert "nvme:  128.48 GiB  (weights 127.50 GiB, frozen 1000.02 MiB)" in text
+    assert "the rest (1.96 GiB) is mapped from its swap files" in text
+    assert "nvme:   14.96 GiB  (weights 13.00 GiB, frozen 1.96 GiB)" in text
     assert "| QLoRA int4 r=16 |" in text
+    # 70B as int4 blocks read in place from the conversion cache: only the 1000 MiB of mapped
+    # embeddings and head must fit under --offload-dir (as bf16, 128 GiB of base would)
+    assert main(streamed + ["--model", "70B", "--quantize", "int4"]) == 0
+    text = capsys.readouterr().out
+    assert "the frozen base's layers (35.86 GiB in int4 blocks) stream from its block files" in text
+    assert "nvme:   36.84 GiB  (weights 35.86 GiB, frozen 1000.02 MiB)" in text
     qlora = ["--dry-run", "--model", "8B", "--offload", "auto", "--cpu-memory", "40GiB",
              "--batch-size", "1", "--quantize", "int4"] + out
     assert main(qlora + ["--gpu-memory", "8GiB"]) == 0  # 5.61 GiB of int4 base fits: kept there
