@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -239,9 +240,12 @@ def fused_applies(spec: QuantSpec, in_features: int, x2d: torch.Tensor) -> bool:
             and spec.groups(in_features) == 1 and in_features % 8 == 0)
 
 
-def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor) -> str:
+def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor,
+               parts: dict[str, torch.Tensor] | None = None) -> str:
     """The kernel quant_linear runs for x2d [rows, in]: fused where it applies and rows <=
-    FUSED_ROWS_MAX, chunked otherwise (or what $OFFLOAD_QUANT_KERNEL forces)."""
+    FUSED_ROWS_MAX, the C loop where it applies, chunked otherwise (or what
+    $OFFLOAD_QUANT_KERNEL forces). From C_MEASURED_FROM_ROWS rows on, given the weight's
+    `parts`, the C loop and the chunked kernel are timed on it once per shape (`_c_or_chunked`)."""
     forced = _override()
     fused = fused_applies(spec, in_features, x2d)
     if forced == "dense":
@@ -249,8 +253,69 @@ def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor) -> str:
     if forced == "fused" or (forced is None and fused and x2d.shape[0] <= FUSED_ROWS_MAX):
         return "fused" if fused else "chunked"
     if forced in (None, "c") and quant_cpu.applies(spec, in_features, x2d):
-        return "c"
+        if forced == "c" or parts is None or x2d.shape[0] < C_MEASURED_FROM_ROWS:
+            return "c"
+        return _c_or_chunked(parts, spec, in_features, x2d)
     return "chunked"
+
+
+# At 1-8 rows the C loop won on every shape measured; at 9-16 it depends on the shape: on
+# 2048x8192 the chunked kernel won at 16 rows for int8 and int4/g32 (its 8192-wide rows make
+# the second 8-row tile re-read x from beyond L1; docs/BENCHMARKS.md). So there both are timed
+# on the weight itself, the first time a shape meets a row count, and the faster is kept.
+C_MEASURED_FROM_ROWS = 9
+C_PROBE_BYTES = 16 << 20  # packed weight bytes (its first rows) a timed call reads at most
+C_PROBE_REPEATS = 3  # timed calls of each kernel, alternating, after one untimed; fastest kept
+C_EVICT_BYTES = 64 << 20  # read before each timed call: decode reads every weight from memory
+_c_choice: dict[tuple, str] = {}  # (bits, group, out, in, rows) -> "c" | "chunked"
+_c_timings: dict[tuple, dict[str, float]] = {}
+_c_lock = threading.Lock()
+
+
+def _c_or_chunked(parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
+                  x2d: torch.Tensor) -> str:
+    qw = parts["qweight"]
+    key = (spec.bits, spec.group_size, qw.shape[0], in_features, x2d.shape[0])
+    hit = _c_choice.get(key)
+    if hit is not None:
+        return hit
+    with _c_lock:  # one measurement per shape, even with several generating threads
+        hit = _c_choice.get(key)
+        if hit is None:
+            row_bytes = max(1, sum(t[0].numel() * t.element_size() for t in parts.values()
+                                   if t is not None))
+            n = max(1, min(qw.shape[0], C_PROBE_BYTES // row_bytes))
+            probe = {k: (t[:n] if t is not None else None) for k, t in parts.items()}
+            qw_, sc_, mn_ = _check_parts(probe, spec, in_features)
+            x = x2d.float()
+            run = {"c": lambda: quant_cpu.rows_product(x2d, probe, spec, in_features),
+                   "chunked": lambda: _chunked(x, qw_, sc_, mn_, spec, in_features)}
+            evict = torch.empty(C_EVICT_BYTES // 4, dtype=torch.float32).fill_(1.0)
+            best = {name: float("inf") for name in run}
+            for k in range(C_PROBE_REPEATS + 1):
+                for name, fn in run.items():
+                    evict.sum()
+                    t0 = time.perf_counter()
+                    fn()
+                    if k:  # the first round is warm-up
+                        best[name] = min(best[name], time.perf_counter() - t0)
+            _c_timings[key] = best
+            # ties go to the C loop, the kernel of every other few-row case
+            hit = _c_choice[key] = "chunked" if best["chunked"] < 0.95 * best["c"] else "c"
+    return hit
+
+
+def c_choices() -> dict[tuple, dict]:
+    """What was measured and chosen so far: {(bits, group, out, in, rows): {"kernel": name,
+    "seconds": {kernel: best seconds}}} (reports, tests)."""
+    return {k: {"kernel": v, "seconds": dict(_c_timings[k])} for k, v in _c_choice.items()}
+
+
+def reset_choices() -> None:
+    """Forget every measurement (tests)."""
+    with _c_lock:
+        _c_choice.clear()
+        _c_timings.clear()
 
 
 _tls = threading.local()  # per-thread CPU scratch: reused, so no page faults on every call
@@ -348,7 +413,7 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
         # recompute, evaluation) always the dense product: autograd cannot go through the
         # chunks' out= products, and a checkpointed forward must compute exactly what its
         # recompute does (the fast kernels round differently), as models.llama.project does
-        kernel = kernel_for(spec, in_features, x2d) if torch.is_inference_mode_enabled() else "dense"
+        kernel = kernel_for(spec, in_features, x2d, parts) if torch.is_inference_mode_enabled() else "dense"
     elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d)) or (
             kernel == "c" and not quant_cpu.applies(spec, in_features, x2d)):
         raise QuantError(f"kernel={kernel!r}: use dense or chunked (fused: per-channel int8, bf16 x "

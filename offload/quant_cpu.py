@@ -11,8 +11,9 @@ scales passed as their fp16 bits -- converting them with torch first cost more t
 product): int4/g64 3.2-3.3 ms at 1 row, 5.8-5.9 at 8, 12.2-12.3 at 16, against dense fp32
 4.4-4.6 / 12.8-17.5 / 11.6-32.9 and the torch chunked kernel 17-19 / 28-32 / 27-37; int8 per
 channel 2.2-3.3 / 5.8-9.6 / 10.6-12.9. At 32 rows dense fp32 and the chunked GEMM catch up
-(2048x8192: 22 vs 15 / 27 ms), hence ROWS_MAX = 16 -- though at 16 rows on 2048x8192 the
-chunked kernel won for int8 and int4/g32 in scripts/bench_quant.py (docs/BENCHMARKS.md).
+(2048x8192: 22 vs 15 / 27 ms), hence ROWS_MAX = 16. From 9 rows on, quant.kernel_for times
+this loop against the chunked kernel on the weight, once per shape (one run beside a test job
+saw the chunked kernel win at 16 rows on 2048x8192; quiet, this loop won: docs/BENCHMARKS.md).
 
 Built with -O3 and reassociated sums (vectorised; not -ffast-math, see _FLAGS): results equal x @ dequantize(W)^T
 to float rounding (checked against torch when the library is loaded) and do not depend on how

@@ -295,6 +295,31 @@ def test_every_kernel_equals_x_times_dequantized_weight(spec, rows, dtype, monke
     assert torch.allclose(y3[0].double(), x.double() @ deq.T, rtol=0, atol=tol * bound.max().item())
 
 
+@pytest.mark.skipif(quant_cpu.library() is None, reason="the C few-row kernel was not built here")
+def test_c_loop_or_chunked_is_measured_per_shape_from_nine_rows(monkeypatch):
+    """At 9-16 rows the C loop and the chunked kernel are timed on the weight once per shape in
+    inference and the faster is kept; fewer rows take the C loop unmeasured; the choice
+    computes the same product."""
+    monkeypatch.delenv("OFFLOAD_QUANT_KERNEL", raising=False)
+    quant.reset_choices()
+    spec, in_f, out_f = QuantSpec(4, 32), 512, 256
+    parts = quantize(torch.randn(out_f, in_f), spec)
+    deq = dequantize(parts, spec, in_f, torch.float64)
+    x = torch.randn(12, in_f)
+    with torch.inference_mode():
+        y = quant_linear(x, parts, spec, in_f)
+        quant_linear(x[:8], parts, spec, in_f)
+    measured = quant.c_choices()
+    assert list(measured) == [(4, 32, out_f, in_f, 12)]  # 8 rows: the C loop, not measured
+    got = measured[(4, 32, out_f, in_f, 12)]
+    assert got["kernel"] in ("c", "chunked") and min(got["seconds"].values()) > 0
+    assert kernel_for(spec, in_f, x, parts) == got["kernel"]  # cached: no second measurement
+    assert torch.allclose(y.double(), x.double() @ deq.T, rtol=0, atol=1e-4)
+    monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "c")  # forcing still forces
+    assert kernel_for(spec, in_f, x, parts) == "c"
+    quant.reset_choices()
+
+
 def test_kernel_choice_and_override(monkeypatch):
     monkeypatch.delenv("OFFLOAD_QUANT_KERNEL", raising=False)
     ch, grouped = QuantSpec(8, 0), QuantSpec(8, 32)
