@@ -43,6 +43,7 @@ from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_repor
                            peak_rss_bytes, large_frees_to_os, started_worker)
 from offload.train_plan import plan_training
 from offload.zero import BlockReducer, ZeroGroup, env_world
+from offload.zero_rest import largest_module_numel
 
 
 def _counter(name: str, doc: str) -> property:
@@ -85,6 +86,7 @@ class Engine:
         self._norm_order = sorted(self.param_names, key=order.__getitem__)
         self.account = MemoryAccount()
         self.mapped: list[torch.Tensor] = []  # frozen weights mapped from swap files (placement)
+        self.rest_gathers: list = []  # stage 3: the non-layer blocks' gathers (offload/zero_rest.py)
         self.links = {k: LinkCounter() for k in ("d2h", "h2d", "nvme_read", "nvme_write",
                                                  "stream_h2d", "stream_disk", "act_offload")}
         self.lr = cfg.lr
@@ -196,6 +198,12 @@ class Engine:
                        else self.grads.buffer(bi)[lo:hi])
         return out
 
+    def weight_base(self, bi: int) -> int:
+        """Block offset of element 0 of block bi's 16-bit home: at stage 3 it is this rank's
+        shard (lo of owned()), the layers' in their tier and the others' on the device
+        (offload/zero_rest.py); else the whole block (0)."""
+        return self.owned(bi)[0] if self.shards_weights else 0
+
     def owned(self, bi: int) -> tuple[int, int]:
         """[lo, hi) of block bi that this rank steps (the whole block in one process)."""
         if self.zero is None:
@@ -222,7 +230,9 @@ class Engine:
                                   self.cfg, self.device, world=self.world,
                                   frozen_layer_bytes=frozen_layers,
                                   frozen_resident_bytes=frozen_rest,
-                                  frozen_in_place=hasattr(source, "layer_ranges"))
+                                  frozen_in_place=hasattr(source, "layer_ranges"),
+                                  rest_module_numel=largest_module_numel(
+                                      self.module, [b for b in self.blocks if b.module is None]))
         self.plan.check()
 
     def _make_state(self):
@@ -527,6 +537,7 @@ class Engine:
             h.remove()
         self._hooks.clear()
         parts = [self.grads.close, lambda: self.step_thread.shutdown(wait=True)]
+        parts += [g.close for g in self.rest_gathers]
         if getattr(self, "_checkpointed", False):  # the model's own forwards back, hooks gone
             parts.append(lambda: disable_activation_checkpointing(self.layers))
         if self.cuda:

@@ -281,4 +281,5 @@ def _load_block(engine: "Engine", bi: int, pending: bool,
         engine.flat16[bi].copy_(live)
         engine.delayed.shadow[bi].copy_(values["master"])
     else:  # not delayed now: the pending update simply goes live
-        engine.flat16[bi][lo:hi].copy_(values["master"])
+        base = engine.weight_base(bi)  # stage 3: the home is this rank's shard
+        engine.flat16[bi][lo - base:hi - base].copy_(values["master"])

@@ -22,6 +22,7 @@ from offload.blocks import bind_views, gather_flat, move_frozen_and_buffers
 from offload.config import ConfigError, OffloadConfig
 from offload.frozen_stream import FrozenBaseStreamer
 from offload.mapped import map_frozen, maps_frozen_rest
+from offload.zero_rest import RestGather
 from offload.lora import base_checkpoint_name
 from offload.train_stream import TrainingStreamer
 from offload.zero import ShardGather, ZeroGroup, ensure_process_group, rank_dir
@@ -62,6 +63,17 @@ def place_weights(engine: "Engine", model: nn.Module, source: Any) -> None:
             stream_flats.append(_stream_home(e, bi, master))
             e.flat16.append(None)
             e.flat16_padded.append(None)
+            continue
+        if e.shards_weights:  # stage 3: this rank's shard is the home, modules gather the rest
+            lo, hi = e.owned(bi)
+            home = torch.zeros(e.zero.shards(block.numel).size, dtype=e.dtype, device=e.device)
+            home[:hi - lo].copy_(master[lo:hi])
+            e.account.add("device", "weights", home.numel() * home.element_size())
+            e.rest_gathers.append(RestGather(model, block, home, e.zero, e.account, e.dtype, e.device))
+            trainable.update(id(s.param) for s in block.slots)  # meta ones were replaced
+            e.flat16.append(home)
+            e.flat16_padded.append(None)  # nothing all-gathered after a step (zero_rest.py)
+            del master
             continue
         padded = None
         if e.shares_masters:

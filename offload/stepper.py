@@ -147,7 +147,7 @@ class BlockStepper:
         beta1, beta2 = cfg.betas
         out16, where = self._target(u, bi)
         # block offset of out16[0]: this rank's shard at stage 3 is the home of its weights
-        out_base = e.owned(bi)[0] if e.shards_weights and bi in e.layer_of else 0
+        out_base = e.weight_base(bi)
         # the gradient as (first block offset, flat tensor) pieces: the whole block's, or one
         # per slot where they were adopted as autograd made them (grad_storage.Adopted)
         # (or this rank's shard of it, ZeRO stage 2: keyed by the shard's first offset)
@@ -261,6 +261,7 @@ class BlockStepper:
         nbytes = out16.numel() * out16.element_size()
         if kind == "ring":
             lo, hi = e.owned(bi)  # across ranks only this rank's shard was stepped
+            lo, hi = lo - e.weight_base(bi), hi - e.weight_base(bi)  # in the home and the ring
             nbytes = (hi - lo) * out16.element_size()
             with on_stream(e.h2d_stream):
                 side_stream_delay(e.h2d_stream)  # test knob (offload/gpu.py): a late upload

@@ -114,7 +114,8 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
                   device: torch.device | None = None,
                   activations: ActivationEstimate | None = None, world: int = 1,
                   frozen_layer_bytes: list[int] | None = None,
-                  frozen_resident_bytes: int = 0, frozen_in_place: bool = False) -> TrainingPlan:
+                  frozen_resident_bytes: int = 0, frozen_in_place: bool = False,
+                  rest_module_numel: int | None = None) -> TrainingPlan:
     """Bytes per tier for training a model whose trainable parameters form `blocks`
     ((element count, is a ModuleList layer) each), under `cfg`; activations when estimated.
     `world` > 1: one of that many data-parallel ranks (cfg.zero_stage; offload/zero.py) --
@@ -127,7 +128,11 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     the trainable blocks then stay resident), else resident on the device like
     `frozen_resident_bytes` (frozen parameters outside the layers): "frozen" weights that never
     get a gradient, master or moment. `frozen_in_place`: the layers' base is read from files
-    it is already in (a quantized base's blocks), so on NVMe it takes no room in nvme_dir."""
+    it is already in (a quantized base's blocks), so on NVMe it takes no room in nvme_dir.
+    At stage 3 the resident (non-layer) blocks keep only this rank's shard, and each module
+    gathers its parameters around its forward (offload/zero_rest.py): `rest_module_numel`, the
+    most elements one module gathers (zero_rest.largest_module_numel; default: the largest
+    such block, an upper bound)."""
     device = device or cfg.resolve_device()
     sizes = [n for n, _ in blocks]
     layers = [i for i, (_, is_layer) in enumerate(blocks) if is_layer]
@@ -147,10 +152,15 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         padded = [Shards(n, world).padded for n in sizes]
         if cfg.zero_stage >= 1:
             state_sizes = [min(n, Shards(n, world).size) for n in sizes]
-            resident = [padded[i] for i in range(len(sizes)) if i not in streamed]
+            resident = [(Shards(sizes[i], world).size if stage3 else padded[i])
+                        for i in range(len(sizes)) if i not in streamed]
     # resident weights that are views of their fp32 masters take no bytes of their own
     shared = cfg.weights_share_masters(device, world)
     parts = [resident_weight_bytes([] if shared else resident, itemsize)]
+    rest = [sizes[i] for i in range(len(sizes)) if i not in streamed]
+    if stage3 and rest:  # the modules' gathered parameters, one module at a time
+        parts.append({("device", "buffers"): (rest_module_numel if rest_module_numel is not None
+                                              else max(rest)) * itemsize})
     if streamed:
         parts.append(TrainingStreamer.plan_bytes(
             streamed_sizes, "cpu" if stage3 and cfg.offload_params == "none" else cfg.offload_params,
@@ -253,7 +263,8 @@ def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
                            world: int = 1, frozen_layer_bytes: list[int] | None = None,
                            frozen_resident_bytes: int = 0,
                            candidates: list[tuple[str, dict]] | None = None,
-                           frozen_in_place: bool = False) -> tuple[OffloadConfig, str]:
+                           frozen_in_place: bool = False,
+                           rest_module_numel: int | None = None) -> tuple[OffloadConfig, str]:
     """The fastest candidate configuration that fits the budgets (NVMe ones only when
     base.nvme_dir is set), and a sentence saying why. Raises BudgetError saying what would fit.
     A frozen base (plan_training's frozen_* bytes) is weighed as the plan counts it, and tried
@@ -271,7 +282,8 @@ def choose_training_config(blocks: list[tuple[int, bool]], base: OffloadConfig,
         why = plan_fits(plan_training(blocks, cfg, device, activations, world=world,
                                       frozen_layer_bytes=frozen_layer_bytes,
                                       frozen_resident_bytes=frozen_resident_bytes,
-                                      frozen_in_place=frozen_in_place))
+                                      frozen_in_place=frozen_in_place,
+                                      rest_module_numel=rest_module_numel))
         if why is None:
             return cfg, f"chose '{label}': the fastest configuration that fits the budgets"
         last_error = why

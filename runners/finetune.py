@@ -23,6 +23,7 @@ import torch
 
 from offload.config import format_bytes
 from offload.zero import rank_dir
+from offload.zero_rest import largest_module_numel
 from runners.common import fail, note_unused_tensors, run_main, select_device, writable_dir
 from runners.finetune_args import build_parser, check_args, engine_config
 from runners.finetune_lora import LoraRun
@@ -142,11 +143,15 @@ def run(args: argparse.Namespace) -> int:
     model, model_cfg, source, tokenizer = load_model(args)
     micro = args.micro_batch_size or args.batch_size // ranks.world
     frozen = (None, 0)  # a LoRA base's bytes per layer and outside the layers, as the engine counts
+    rest_numel = None
     if lora is not None:  # the trainable blocks are the adapters apply_lora will add
         planned = lora.plan_model(model_cfg, cfg.torch_dtype)
         shape, frozen = lora.adapter_blocks(planned), lora.frozen_plan_bytes(planned, cfg.torch_dtype)
     else:
-        shape = [(b.numel, b.module is not None) for b in group_blocks(model)[0]]
+        blocks = group_blocks(model)[0]
+        shape = [(b.numel, b.module is not None) for b in blocks]
+        # stage 3: the most one module gathers of the resident blocks (offload/zero_rest.py)
+        rest_numel = largest_module_numel(model, [b for b in blocks if b.module is None])
     acts = llama_activation_estimate(model_cfg, micro, args.seq_len, cfg.torch_dtype)
     choice = None
     if args.offload == "auto":
@@ -154,14 +159,14 @@ def run(args: argparse.Namespace) -> int:
             cfg, choice = choose_training_config(
                 shape, cfg, device, acts, world=ranks.world, frozen_layer_bytes=frozen[0],
                 frozen_resident_bytes=frozen[1], candidates=lora.candidates(ranks.world) if lora else None,
-                frozen_in_place=bool(lora and lora.quantize))
+                frozen_in_place=bool(lora and lora.quantize), rest_module_numel=rest_numel)
         except BudgetError:
             if args.dry_run and lora is None:  # still show what each configuration would need
                 print(estimator_table(shape, cfg, device, acts))
             raise
     plan = plan_training(shape, cfg, device, acts, world=ranks.world,
                          frozen_layer_bytes=frozen[0], frozen_resident_bytes=frozen[1],
-                         frozen_in_place=bool(lora and lora.quantize))
+                         frozen_in_place=bool(lora and lora.quantize), rest_module_numel=rest_numel)
     lora_line = lora.describe(model_cfg, shape, frozen, cfg) if lora is not None else None
     advice = lora.budget_advice(cfg, frozen) if lora is not None else None
     banner = Banner(args, cfg, model_cfg, plan, device, choice, ranks.world, lora_line)

@@ -125,6 +125,10 @@ def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
         step_s = timed(step, args.warmup, args.steps)
         rep, peaks = engine.account.report(), engine.account.kind_peaks()
         sent = {k: v for k, v in engine.last_report.bytes.items() if k in COLLECTIVES and v}
+        # a streamer's device slots are counted as weights by the engine; ZeRO's formula counts
+        # the weights' homes (each rank's shards), so the slots are reported beside them
+        streamer = getattr(engine.streaming, "streamer", None)
+        slots = sum(s.raw.numel() * s.raw.element_size() for s in streamer.slots) if streamer else 0
     finally:
         engine.close()
     tiers = {t: {k: v for k, v in kinds.items() if v} for t, kinds in rep.items() if kinds["total"]}
@@ -133,8 +137,9 @@ def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     kind_sum = lambda *kinds: sum(v for (_, k), v in peaks.items() if k in kinds)  # noqa: E731
     return {"step_s": step_s, "comm_wait_s": statistics.median(waits[args.warmup:]), "sent": sent,
             "loss": losses[-1], "loss0": losses[0],
-            "tiers": tiers, "weights": kind_sum("weights"), "grads": kind_sum("grads"),
-            "state": kind_sum("masters", "moments"), "masters": kind_sum("masters")}
+            "tiers": tiers, "weights": kind_sum("weights") - slots, "slots": slots,
+            "grads": kind_sum("grads"), "state": kind_sum("masters", "moments"),
+            "masters": kind_sum("masters")}
 
 
 def run_torch(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
@@ -318,6 +323,9 @@ def details(row: Row, res: list[dict]) -> list[str]:
             out.append(f"  {row.name:<18} rank {rank}  {tiers}" + (f"  | sent {sent}" if sent else ""))
         if rank == 0 and r["masters"] and not r["weights"]:
             out.append(f"  {row.name:<18} weights 0: the parameters are views of the fp32 masters")
+        if rank == 0 and r.get("slots"):
+            out.append(f"  {row.name:<18} + {mib(r['slots'])} MiB of device slots the streamer "
+                       f"gathers layers into (not in 'weights')")
         if rank == 0 and r.get("note"):
             out.append(f"  {row.name:<18} note: {r['note']}")
     return out
@@ -360,7 +368,7 @@ def main() -> None:
           f"{args.warmup} warm-up")
     print("bytes: MiB, measured/formula, the largest rank; formula: weights 4Φ, grads 4Φ, state "
           "12Φ (engine: masters+moments) or 8Φ (torch AdamW: moments), /N from stage 1 (state), "
-          "2 (grads), 3 (weights; ours keeps embeddings/head whole and counts its gather slots); "
+          "2 (grads), 3 (weights: each rank's shards, its gather slots not counted); "
           "sent/update: 2Φ(N-1)/N x 4 B (3Φ at stage 3, an upper bound); step: slowest rank; "
           "rss: MiB at the end, +rss: growth since before the model was built")
     print(HEAD)

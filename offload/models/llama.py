@@ -155,7 +155,7 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             if layer.bias is not None:
                 y = y + layer.bias
             return y.reshape(*x.shape[:-1], w.shape[0])
-    return layer(x)
+    return F.linear(x, layer.weight, layer.bias)  # nn.Linear's forward (a VocabHead's calls here)
 
 
 FROZEN_GRAD_CHUNK_BYTES = 64 << 20  # fp32 rows of a frozen weight per step of its input gradient
@@ -233,6 +233,15 @@ def head_projection(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and layer.bias is None and layer.weight.requires_grad:
         return _HeadProjection.apply(x, layer.weight)
     return project(layer, x)
+
+
+class VocabHead(nn.Linear):
+    """The lm_head: an nn.Linear (same parameters, same checkpoint names) whose forward is
+    head_projection, so that module hooks see every use of its weight (ZeRO stage 3 gathers a
+    module's parameters around its forward: offload/zero_rest.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return head_projection(self, x)
 
 
 # ---- blocks ---------------------------------------------------------------------------------
@@ -431,7 +440,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -450,7 +459,7 @@ class LlamaForCausalLM(nn.Module):
                             kv_cache=kv_cache, document_ids=document_ids)
         if last_only:
             hidden = hidden[:, -1:]
-        return head_projection(self.lm_head, hidden)
+        return self.lm_head(hidden)  # head_projection (VocabHead)
 
     @property
     def blocks(self) -> nn.ModuleList:
