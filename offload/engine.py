@@ -198,6 +198,14 @@ class Engine:
                        else self.grads.buffer(bi)[lo:hi])
         return out
 
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of the streamer's slots, the working buffers streamed or gathered
+        layers are bound to while they run; the account counts them as device weights, the
+        ZeRO formulas count only the weights' homes (reports show them apart)."""
+        streamer = getattr(self.streaming, "streamer", None)
+        return sum(s.raw.numel() * s.raw.element_size() for s in streamer.slots) if streamer else 0
+
     def weight_base(self, bi: int) -> int:
         """Block offset of element 0 of block bi's 16-bit home: at stage 3 it is this rank's
         shard (lo of owned()), the layers' in their tier and the others' on the device

@@ -60,8 +60,8 @@ class Banner:
             where = "host RAM" if cfg.offload_params == "cpu" else "device memory"
             lines.append(f"  weights   each rank keeps its 1/{self.world} of every block's {cfg.dtype} "
                          f"weights in {where}; a block is gathered from all ranks one block ahead "
-                         f"in forward and backward and dropped after it runs (embeddings and head "
-                         f"stay whole)")
+                         f"in forward and backward and dropped after it runs (the embeddings, norm "
+                         f"and head too, each module's around its forward)")
         elif cfg.offload_params != "none" and not self.lora:  # a LoRA base: the lora line says it
             lines.append(f"  weights   the blocks' {cfg.dtype} weights live in "
                          f"{'host RAM' if cfg.offload_params == 'cpu' else 'NVMe swap files'} and are "
@@ -181,12 +181,15 @@ def zero_lines(engine, totals: dict[str, float], updates: int) -> list[str]:
              f"= {sent / bound:.2f} x {k}Φ(N-1)/N ({format_bytes(bound)})",
              "  model states per rank  measured     formula"]
     held = engine.account.kind_peaks()
-    got = {"weights": sum(v for (_, kind), v in held.items() if kind == "weights"),
+    slots = engine.slot_bytes  # working buffers, not model states: shown apart below
+    got = {"weights": sum(v for (_, kind), v in held.items() if kind == "weights") - slots,
            "gradients": sum(v for (_, kind), v in held.items() if kind == "grads"),
            "masters + moments": sum(v for (_, kind), v in held.items()
                                     if kind in ("masters", "moments"))}
     for kind, want in zero_state_bytes(cfg, phi, world).items():
         lines.append(f"    {kind:<20} {format_bytes(got[kind]):>10}  {format_bytes(want):>10}")
+    if slots:
+        lines.append(f"    (+ {format_bytes(slots)} of device slots the streamed layers are bound to)")
     return lines
 
 

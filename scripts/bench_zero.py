@@ -127,8 +127,7 @@ def run_offload(row: Row, args: argparse.Namespace, ids: torch.Tensor) -> dict:
         sent = {k: v for k, v in engine.last_report.bytes.items() if k in COLLECTIVES and v}
         # a streamer's device slots are counted as weights by the engine; ZeRO's formula counts
         # the weights' homes (each rank's shards), so the slots are reported beside them
-        streamer = getattr(engine.streaming, "streamer", None)
-        slots = sum(s.raw.numel() * s.raw.element_size() for s in streamer.slots) if streamer else 0
+        slots = engine.slot_bytes
     finally:
         engine.close()
     tiers = {t: {k: v for k, v in kinds.items() if v} for t, kinds in rep.items() if kinds["total"]}
