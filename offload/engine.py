@@ -152,7 +152,10 @@ class Engine:
         placement.place_weights(self, model, source)  # offload/placement.py
 
     def _make_zero(self) -> ZeroGroup | None:
-        return placement.make_zero(self.cfg, self.device)
+        layers = (self.module.get_submodule(self.block_list_path)
+                  if self.block_list_path is not None else None)
+        frozen_base = layers is not None and any(not p.requires_grad for p in layers.parameters())
+        return placement.make_zero(self.cfg, self.device, frozen_base)
 
     def _make_store(self):
         return placement.make_store(self)

@@ -164,9 +164,9 @@ def streams_frozen_base(e: "Engine") -> bool:
         return False
     if not any(not p.requires_grad for layer in e.layers for p in layer.parameters()):
         return False
-    if e.zero is not None:
-        raise ConfigError("a frozen base (LoRA) across data-parallel ranks is not built: run "
-                          "one process, or offload_params='none'")
+    if e.zero is not None and e.zero.stage == 3:
+        raise ConfigError("a frozen base (LoRA) at ZeRO stage 3 is not built (its layers would be "
+                          "gathered from the ranks' shards): use zero_stage 0, 1 or 2")
     return True
 
 
@@ -203,15 +203,18 @@ def make_store(e: "Engine"):
     return store
 
 
-def make_zero(cfg: OffloadConfig, device: torch.device) -> ZeroGroup | None:
+def make_zero(cfg: OffloadConfig, device: torch.device,
+              frozen_base: bool = False) -> ZeroGroup | None:
     """The data-parallel group when this process is one of several ranks (the default
-    process group, or one initialised from torchrun's environment), else None."""
+    process group, or one initialised from torchrun's environment), else None. `frozen_base`:
+    the layers hold frozen parameters (LoRA), which offload_params streams at stages 0-2 too --
+    each rank the whole base, from its own tier (nothing of it is sharded or communicated)."""
     if not ensure_process_group(device):
         return None
     import torch.distributed as dist
     if dist.get_world_size() == 1:
         return None
-    if cfg.offload_params != "none" and cfg.zero_stage < 3:
+    if cfg.offload_params != "none" and cfg.zero_stage < 3 and not frozen_base:
         raise ConfigError("offload_params across data-parallel ranks streams each rank's "
                           "shard of the 16-bit weights: that is ZeRO stage 3; set "
                           "zero_stage=3 (--zero-stage 3), or offload_params='none'")

@@ -220,18 +220,13 @@ def _check_quant_flags(args: argparse.Namespace) -> None:
 def _lora_combination_error(args: argparse.Namespace, base: dict, auto: bool,
                             world: int) -> str | None:
     """Why the engine options cannot train LoRA adapters here (None when they can), spelt as
-    flags. The frozen base is resident or streamed (offload_params) in one process; across
-    ranks each keeps it whole on its device (16-bit or quantized): the engine does not stream
-    a frozen base there."""
+    flags. The frozen base is resident or streamed (offload_params), in one process or on each
+    of several ranks at stages 0-2 (each rank the whole base, from its own tier)."""
     if not args.lora_rank:
         return None
     params = base.get("offload_params", "none")
     flag = (f"--offload-params {params}" if args.offload_params else
             f"offload_params={params!r} (from --config {args.config})")
-    if world > 1 and params != "none":
-        return (f"{flag} with --lora-rank across {world} ranks: the frozen base is streamed by "
-                f"one process only; run one process, or keep the base on each rank's device "
-                f"with --offload-params none (--quantize int4 makes it a quarter of the size)")
     if world > 1 and base.get("zero_stage") == 3:
         return ("--zero-stage 3 with --lora-rank: stage 3 streams each layer's weights from the "
                 "ranks' shards, which runners.finetune does not do for a LoRA base; use "

@@ -132,12 +132,11 @@ class LoraRun:
                             own_dtypes=self.quantize is not None)
 
     def candidates(self, world: int) -> list[tuple[str, dict]]:
-        """--offload auto's configurations: the planner's frozen-base list, less what the
-        engine does not build (a streamed base across ranks)."""
+        """--offload auto's configurations: the planner's frozen-base list (the same on any
+        number of ranks: each streams the whole base from its own tier)."""
         from offload.train_plan import FROZEN_BASE_CANDIDATES
 
-        return [(label, c) for label, c in FROZEN_BASE_CANDIDATES
-                if world == 1 or c["offload_params"] == "none"]
+        return list(FROZEN_BASE_CANDIDATES)
 
     def describe(self, model_cfg, adapters: list[tuple[int, bool]],
                  frozen: tuple[list[int], int], cfg) -> str:

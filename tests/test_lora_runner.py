@@ -144,9 +144,11 @@ def test_bad_lora_flags_are_one_line(run, tmp_path, capsys):
     _bad(out + ["--lora-rank", "4", "--cache-dir", str(tmp_path)], capsys, "--cache-dir is a --quantize setting")
     _bad(out + ["--lora-rank", "4", "--quantize", "int4", "--group-size", "7"], capsys,
          "--quantize int4 --group-size 7:")
-    # across torchrun ranks the base stays resident (the engine streams one only in one process)
+    # across torchrun ranks: stages 0-2 (a streamed base too: tests/test_zero_runner.py), not 3
     args = build_parser().parse_args(["--lora-rank", "4", "--offload-params", "cpu", "--batch-size", "4"])
-    with pytest.raises(RunnerError, match="with --lora-rank across 2 ranks: .* run one process"):
+    engine_config(args, torch.device("cpu"), 2)
+    args = build_parser().parse_args(["--lora-rank", "4", "--zero-stage", "3", "--batch-size", "4"])
+    with pytest.raises(RunnerError, match="--zero-stage 3 with --lora-rank: .* use --zero-stage 0, 1 or 2"):
         engine_config(args, torch.device("cpu"), 2)
     # a resume must keep the LoRA settings and the base the adapters were trained on
     resume = ["--resume", run["out"], "--output", str(tmp_path / "r")]

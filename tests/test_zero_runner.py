@@ -143,7 +143,7 @@ def adapter_tensors(output: str) -> dict[str, torch.Tensor]:
         return {k: f.read(k) for k in f.tensors}
 
 
-@pytest.mark.parametrize("base", ["dense", "int4"])
+@pytest.mark.parametrize("base", ["dense", "int4", "streamed"])
 def test_lora_adapters_across_two_ranks_match_one_process(base, tmp_path):
     """LoRA at stage 2 on 2 ranks, each keeping the frozen base whole on its device (as it is, or
     QLoRA's int4 blocks converted once by local rank 0 while the other waits): the adapters
@@ -151,6 +151,8 @@ def test_lora_adapters_across_two_ranks_match_one_process(base, tmp_path):
     lora = ["--lora-rank", "4", "--lora-targets", "q,v,down", "--lr", "1e-3", "--steps", "3"]
     if base == "int4":
         lora += ["--quantize", "int4", "--group-size", "32", "--cache-dir", str(tmp_path / "cache")]
+    if base == "streamed":  # each rank streams the whole base from its own swap files
+        lora += ["--offload-params", "nvme", "--offload-dir", str(tmp_path / "swap")]
     ranks, single = str(tmp_path / "ranks"), str(tmp_path / "single")
     check_ok(torchrun([*FLAGS, *lora, "--zero-stage", "2", "--offload", "cpu", "--output", ranks]))
     check_ok(one_process([*FLAGS, *lora, "--offload", "cpu", "--micro-batch-size", "2", "--output", single]))
