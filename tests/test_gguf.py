@@ -14,7 +14,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from offload.models import build_model  # noqa: E402
-from offload.models.gguf import GGUFError, GGUFReader, convert_gguf, gguf_checkpoint_dir  # noqa: E402
+from offload.models.gguf import GGUFError, GGUFReader, gguf_checkpoint_dir  # noqa: E402
 from offload.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -82,7 +82,8 @@ def test_tokenizer_ids_template_and_special_tokens_match(smollm2_gguf, reference
 def test_converted_directory_loads_in_transformers(smollm2_gguf, reference, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     ref_model, ref_tok = reference
-    out = convert_gguf(smollm2_gguf, str(tmp_path / "hf"))
+    # converted once into the cache (gguf_checkpoint_dir -> convert_gguf), then reused below
+    out = gguf_checkpoint_dir(smollm2_gguf, torch.float32, cache_dir=str(tmp_path / "cache"))
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out)
     text = "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n"
@@ -92,11 +93,10 @@ def test_converted_directory_loads_in_transformers(smollm2_gguf, reference, tmp_
         torch.testing.assert_close(model(ids).logits, ref_model(ids).logits, rtol=0, atol=1e-5)
     assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == \
         ref_tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
-    # the cache converts once and then reuses the directory
-    cached = gguf_checkpoint_dir(smollm2_gguf, torch.float32, cache_dir=str(tmp_path / "cache"))
-    stamp = os.stat(os.path.join(cached, "model.safetensors")).st_mtime_ns
-    assert gguf_checkpoint_dir(smollm2_gguf, torch.float32, cache_dir=str(tmp_path / "cache")) == cached
-    assert os.stat(os.path.join(cached, "model.safetensors")).st_mtime_ns == stamp
+    # the cache converted once: a second call reuses the directory
+    stamp = os.stat(os.path.join(out, "model.safetensors")).st_mtime_ns
+    assert gguf_checkpoint_dir(smollm2_gguf, torch.float32, cache_dir=str(tmp_path / "cache")) == out
+    assert os.stat(os.path.join(out, "model.safetensors")).st_mtime_ns == stamp
 
 
 # ---- synthetic files ------------------------------------------------------------------------------

@@ -60,9 +60,11 @@ def reference(kind: str) -> tuple[dict, list[float], int]:
     torch.manual_seed(0)
     model = make_model(kind)
     data = batches(vocab_of(model), UPDATES * ACCUM, ROWS, SEQ)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     params, losses = reference_train(model, data, lm_loss, lr=OPT["lr"], betas=OPT["betas"],
                                      eps=OPT["eps"], wd=OPT["weight_decay"], clip=CLIP,
                                      accum=ACCUM)
+    params = {n: t for n, t in params.items() if n in trainable}  # a LoRA base is not trained
     return params, losses, sum(p.numel() for p in params.values())
 
 
@@ -156,6 +158,9 @@ CONFIGS = ([(stage, offload, "none") for stage in (0, 1, 2) for offload in ("non
 # the whole matrix on 2 ranks of the tiny Llama; on 3 ranks and on the transformers model, a
 # cross-section (each stage and tier once), to keep the suite within its time
 FEW = [(0, "none", "none"), (1, "nvme", "none"), (2, "cpu", "none"), (3, "cpu", "cpu")]
+# LoRA adapters on the tiny Llama's frozen base, resident or streamed by each rank from its own
+# tier (stage 3 is refused for a frozen base)
+LORA = [(0, "cpu", "none"), (1, "nvme", "cpu"), (2, "cpu", "nvme")]
 
 
 def fp32_configs(configs, swap: str) -> list[dict]:
@@ -191,7 +196,8 @@ def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     on the transformers model, the mixed-precision runs, and a run that saves its state."""
     tmp = tmp_path_factory.mktemp("two_ranks")
     groups = {"tiny": fp32_configs(CONFIGS, str(tmp / "swap")), "mixed": mixed_configs(),
-              "saving": [saving_config(str(tmp / "state"))]}
+              "saving": [saving_config(str(tmp / "state"))],
+              "lora": [dict(c, model="lora") for c in fp32_configs(LORA, str(tmp / "swap_lora"))]}
     if importlib.util.find_spec("transformers") is not None:
         groups["hf"] = [dict(c, model="hf") for c in fp32_configs(FEW, str(tmp / "swap_hf"))]
     configs = [c for g in groups.values() for c in g]
@@ -216,10 +222,12 @@ def three_ranks(two_ranks, tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("world,kind,configs", [(2, "tiny", CONFIGS), (3, "tiny", FEW),
-                                                (2, "hf", FEW)], ids=["2-tiny", "3-tiny", "2-hf"])
+                                                (2, "hf", FEW), (2, "lora", LORA)],
+                         ids=["2-tiny", "3-tiny", "2-hf", "2-lora"])
 def test_ranks_match_one_process_adamw(world, kind, configs, tmp_path, request):
-    """Every stage x optimizer-state tier, clipping and accumulation, 2 and 3 ranks: masters and
-    losses after 10 updates equal AdamW over the global batch in one process within 1e-5."""
+    """Every stage x optimizer-state tier, clipping and accumulation, 2 and 3 ranks, and LoRA
+    adapters over a frozen base each rank holds or streams (2-lora): masters and losses after 10
+    updates equal AdamW over the global batch in one process within 1e-5."""
     if kind == "hf":
         pytest.importorskip("transformers")
     results = request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[world])[kind]

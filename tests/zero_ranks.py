@@ -22,9 +22,13 @@ import offload  # noqa: E402
 
 def make_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    if kind == "tiny":
+    if kind in ("tiny", "lora"):
         from offload.models import build_model, preset
-        return build_model(preset("tiny"), device="cpu", source=0)
+        model = build_model(preset("tiny"), device="cpu", source=0)
+        if kind == "lora":  # adapters on a frozen base, the same on every rank (seeded)
+            from offload.lora import LoraConfig, apply_lora
+            apply_lora(model, LoraConfig(rank=4, alpha=8, targets=("q", "v", "down")), seed=1)
+        return model
     import transformers
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4,
@@ -61,10 +65,11 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     updates = cfg_kw.pop("updates", spec["updates"])  # this configuration's own count
     kind = cfg_kw.pop("model", spec["model"])  # and its own model
     model = make_model(kind)
-    if rank != 0:  # the engine must start every rank from rank 0's weights
+    if rank != 0:  # the engine must start every rank from rank 0's trainable weights
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(1.0)
+                if p.requires_grad:  # frozen ones must already agree (a LoRA base)
+                    p.add_(1.0)
     accum = cfg_kw["grad_accum_steps"]
     data = batches(vocab_of(model), (skip + updates) * accum, spec["rows"],
                    spec["seq"])[skip * accum:]
