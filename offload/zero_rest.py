@@ -111,6 +111,9 @@ class RestGather:
 
     def _gather_hook(self, module: nn.Module, owned):
         def hook(_module, _args):
+            stale = self._saving.pop(id(module), None)
+            if stale is not None:  # its last forward raised before the forward hook ran
+                stale.__exit__(None, None, None)
             gathered = {}
             for _key, slot in owned:
                 slot.param.data = self.gather(slot)
@@ -136,6 +139,9 @@ class RestGather:
         return hook
 
     def close(self) -> None:
+        for ctx in self._saving.values():  # a forward that raised left its hooks pushed
+            ctx.__exit__(None, None, None)
+        self._saving.clear()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
