@@ -162,7 +162,8 @@ def bench_quant(args) -> list[dict]:
                                            dtype=torch.float32, nvme_ahead=args.nvme_ahead)
 
         ram_batches = [int(b) for b in args.quant_batches.split(",")]
-        for tier, batches in (("nvme", [1]), ("cpu", ram_batches)):
+        tiers = [t for t in (("nvme", [1]), ("cpu", ram_batches)) if t[0] in args.quant_tiers.split(",")]
+        for tier, batches in tiers:
             loaded = {v: load(v, tier) for v in ("bf16", "int8", "int4")}
             floor_gbps = {}
             try:
@@ -326,6 +327,8 @@ def main() -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--quant-batches", default="1,2,4,8,16",
                    help="quant part: batch sizes of the in-RAM rows (NVMe rows: batch 1)")
+    p.add_argument("--quant-tiers", default="nvme,cpu",
+                   help="quant part: nvme (batch 1, streamed cold) and/or cpu (in RAM, --quant-batches)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="alternating runs per batch (ram part)")
     p.add_argument("--prompt-len", type=int, default=8)
