@@ -253,16 +253,18 @@ def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor,
     if forced == "fused" or (forced is None and fused and x2d.shape[0] <= FUSED_ROWS_MAX):
         return "fused" if fused else "chunked"
     if forced in (None, "c") and quant_cpu.applies(spec, in_features, x2d):
-        if forced == "c" or parts is None or x2d.shape[0] < C_MEASURED_FROM_ROWS:
+        rows = x2d.shape[0]
+        if forced == "c" or (rows < C_MEASURED_FROM_ROWS or parts is None) and rows <= quant_cpu.ROWS_MAX[spec.bits]:
             return "c"
-        return _c_or_chunked(parts, spec, in_features, x2d)
+        return "chunked" if parts is None else _c_or_chunked(parts, spec, in_features, x2d)
     return "chunked"
 
 
 # At 1-8 rows the C loop won on every shape measured; at 9-16 it depends on the shape: on
-# 2048x8192 the chunked kernel won at 16 rows for int8 and int4/g32 (its 8192-wide rows make
-# the second 8-row tile re-read x from beyond L1; docs/BENCHMARKS.md). So there both are timed
-# on the weight itself, the first time a shape meets a row count, and the faster is kept.
+# 2048x8192 the chunked kernel won at 16 rows for int8 and int4/g32 in one run (its 8192-wide
+# rows make the second 8-row tile re-read x from beyond L1; docs/BENCHMARKS.md), and at 17-32
+# (quant_cpu.ROWS_MEASURED_MAX) the chunked kernel is the default. So from 9 rows on both are
+# timed on the weight itself, the first time a shape meets a row count, and the faster is kept.
 C_MEASURED_FROM_ROWS = 9
 C_PROBE_BYTES = 16 << 20  # packed weight bytes (its first rows) a timed call reads at most
 C_PROBE_REPEATS = 3  # timed calls of each kernel, alternating, after one untimed; fastest kept
@@ -418,7 +420,7 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
             kernel == "c" and not quant_cpu.applies(spec, in_features, x2d)):
         raise QuantError(f"kernel={kernel!r}: use dense or chunked (fused: per-channel int8, bf16 x "
                          f"on the CPU, in_features % 8 == 0; c: the CPU, at most "
-                         f"{quant_cpu.ROWS_MAX[spec.bits]} rows for int{spec.bits}, built)")
+                         f"{quant_cpu.ROWS_MEASURED_MAX} rows, built)")
     cdt = torch.float32 if x.device.type == "cpu" else x.dtype
     if x2d.shape[0] == 0:
         y = x2d.new_zeros(0, out_f)

@@ -32,7 +32,11 @@ import torch.nn.functional as F
 
 from offload import cbuild
 
-ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes (see the module docstring)
+ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes unmeasured (module docstring)
+# beyond ROWS_MAX, up to this many rows, only where quant.kernel_for measured it faster than the
+# chunked kernel on the weight itself (the loop takes any rows, in tiles of 8: at 32 rows in
+# decode the chunked kernel ran int4 at half the dense speed, docs/BENCHMARKS.md)
+ROWS_MEASURED_MAX = 32
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemv.c"
 # Reassociated sums (vectorised), and nothing of -ffast-math beyond that: GCC links a -ffast-math
 # shared object with crtfastmath.o, whose constructor turns on flush-to-zero and
@@ -95,7 +99,7 @@ def status() -> str:
 
 def applies(spec, in_features: int, x2d: torch.Tensor) -> bool:
     """This kernel computes x2d [rows, in] @ W^T for a weight of `spec` (and was built)."""
-    return (x2d.device.type == "cpu" and 1 <= x2d.shape[0] <= ROWS_MAX[spec.bits]
+    return (x2d.device.type == "cpu" and 1 <= x2d.shape[0] <= ROWS_MEASURED_MAX
             and library() is not None)
 
 

@@ -297,8 +297,8 @@ def test_every_kernel_equals_x_times_dequantized_weight(spec, rows, dtype, monke
 
 @pytest.mark.skipif(quant_cpu.library() is None, reason="the C few-row kernel was not built here")
 def test_c_loop_or_chunked_is_measured_per_shape_from_nine_rows(monkeypatch):
-    """At 9-16 rows the C loop and the chunked kernel are timed on the weight once per shape in
-    inference and the faster is kept; fewer rows take the C loop unmeasured; the choice
+    """From 9 to 32 rows the C loop and the chunked kernel are timed on the weight once per shape
+    in inference and the faster is kept; fewer rows take the C loop unmeasured; the choice
     computes the same product."""
     monkeypatch.delenv("OFFLOAD_QUANT_KERNEL", raising=False)
     quant.reset_choices()
@@ -306,11 +306,14 @@ def test_c_loop_or_chunked_is_measured_per_shape_from_nine_rows(monkeypatch):
     parts = quantize(torch.randn(out_f, in_f), spec)
     deq = dequantize(parts, spec, in_f, torch.float64)
     x = torch.randn(12, in_f)
+    x24 = torch.randn(24, in_f)  # beyond ROWS_MAX: the C loop only where measured faster
     with torch.inference_mode():
         y = quant_linear(x, parts, spec, in_f)
         quant_linear(x[:8], parts, spec, in_f)
+        y24 = quant_linear(x24, parts, spec, in_f)
+    assert torch.allclose(y24.double(), x24.double() @ deq.T, rtol=0, atol=1e-4)
     measured = quant.c_choices()
-    assert list(measured) == [(4, 32, out_f, in_f, 12)]  # 8 rows: the C loop, not measured
+    assert sorted(measured) == [(4, 32, out_f, in_f, 12), (4, 32, out_f, in_f, 24)]  # 8: C, unmeasured
     got = measured[(4, 32, out_f, in_f, 12)]
     assert got["kernel"] in ("c", "chunked") and min(got["seconds"].values()) > 0
     assert kernel_for(spec, in_f, x, parts) == got["kernel"]  # cached: no second measurement
