@@ -128,12 +128,17 @@ def bind_views(block: Block, flat: torch.Tensor, model: nn.Module | None = None)
             continue
         if model is None:
             raise BlockError(f"parameter {s.name!r} is on meta; bind_views needs the model")
-        new = nn.Parameter(view, requires_grad=s.param.requires_grad)
-        for mod in model.modules():
-            for key, p in mod._parameters.items():
-                if p is s.param:
-                    mod._parameters[key] = new
-        s.param = new
+        s.param = replace_parameter(model, s.param, nn.Parameter(view, requires_grad=s.param.requires_grad))
+
+
+def replace_parameter(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
+    """`new` in place of `old` in every module that holds it (a tied one under each name);
+    returns `new`. For parameters that cannot take storage in place (on the meta device)."""
+    for mod in model.modules():
+        for key, p in mod._parameters.items():
+            if p is old:
+                mod._parameters[key] = new
+    return new
 
 
 TensorFill = Callable[[dict[str, torch.Tensor]], None]

@@ -154,8 +154,7 @@ class Engine:
     def _make_zero(self) -> ZeroGroup | None:
         layers = (self.module.get_submodule(self.block_list_path)
                   if self.block_list_path is not None else None)
-        frozen_base = layers is not None and any(not p.requires_grad for p in layers.parameters())
-        return placement.make_zero(self.cfg, self.device, frozen_base)
+        return placement.make_zero(self.cfg, self.device, placement.has_frozen_layers(layers))
 
     def _make_store(self):
         return placement.make_store(self)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from nvme.swap import SwapStore
+from offload.blocks import replace_parameter
 
 PAGE = mmap.PAGESIZE
 
@@ -111,10 +112,6 @@ def map_frozen(model: nn.Module, store: SwapStore, dtype: torch.dtype, skip: set
     in `dtype` and replaced by its mapped view, one at a time (a meta one filled by `source`,
     as blocks.move_frozen_and_buffers fills it). A tied parameter is replaced under each of
     its names. Returns the mapped tensors (for `forget` at close)."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owner, _, attr = name.rpartition(".")
-        owners.setdefault(id(p), []).append((model.get_submodule(owner) if owner else model, attr))
     mapped = []
     for name, p in list(model.named_parameters()):
         if id(p) in skip or p.requires_grad or not p.is_floating_point():
@@ -128,9 +125,7 @@ def map_frozen(model: nn.Module, store: SwapStore, dtype: torch.dtype, skip: set
             value = p.detach().to("cpu", dtype)
         view = map_from_store(store, f"frozen.{name}", value)
         del value  # its bytes are in the file (and the page cache), not in this process
-        param = nn.Parameter(view, requires_grad=False)
-        for module, attr in owners[id(p)]:
-            setattr(module, attr, param)
+        param = replace_parameter(model, p, nn.Parameter(view, requires_grad=False))
         skip.add(id(param))
         mapped.append(view)
     return mapped

@@ -160,14 +160,17 @@ def _start_streaming(e: "Engine", model: nn.Module, stream_flats: list, frozen_b
 def streams_frozen_base(e: "Engine") -> bool:
     """offload_params on a model whose layers hold frozen parameters (LoRA's base): those are
     streamed (offload/frozen_stream.py) and the trainable ones stay resident."""
-    if e.cfg.offload_params == "none" or e.layers is None:
-        return False
-    if not any(not p.requires_grad for layer in e.layers for p in layer.parameters()):
+    if e.cfg.offload_params == "none" or not has_frozen_layers(e.layers):
         return False
     if e.zero is not None and e.zero.stage == 3:
         raise ConfigError("a frozen base (LoRA) at ZeRO stage 3 is not built (its layers would be "
                           "gathered from the ranks' shards): use zero_stage 0, 1 or 2")
     return True
+
+
+def has_frozen_layers(layers: nn.Module | None) -> bool:
+    """The layers hold frozen parameters (a LoRA base)."""
+    return layers is not None and any(not p.requires_grad for p in layers.parameters())
 
 
 def check_streamable(e: "Engine") -> None:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload.blocks import Block
+from offload.blocks import Block, replace_parameter
 from offload.tiers import MemoryAccount
 from offload.zero import ZeroGroup
 
@@ -82,13 +82,8 @@ class RestGather:
         for s in self.block.slots:
             if s.param.device.type != "meta":
                 continue
-            new = nn.Parameter(unbound_like(s.shape, self.dtype, self.device),
-                               requires_grad=s.param.requires_grad)
-            for mod in model.modules():
-                for key, p in mod._parameters.items():
-                    if p is s.param:
-                        mod._parameters[key] = new
-            s.param = new
+            s.param = replace_parameter(model, s.param, nn.Parameter(
+                unbound_like(s.shape, self.dtype, self.device), requires_grad=s.param.requires_grad))
 
     def unbind_all(self) -> None:
         for s in self.block.slots:
