@@ -262,9 +262,6 @@ class OffloadConfig:
         gradients land, same math), "delayed" (the whole step runs during the next forward and
         backward, one step stale) or "after" (after backward). One answer for the engine, the
         planner and the start banner; `world`: data-parallel ranks."""
-        if world > 1:
-            return "after", (f"{world} data-parallel ranks: each block's gradients are averaged "
-                             f"across ranks before it is stepped")
         if self.delayed_update:
             warm = (f", after {self.delayed_update_warmup} synchronous warm-up updates"
                     if self.delayed_update_warmup else "")
@@ -277,6 +274,10 @@ class OffloadConfig:
             return "after", "gradient clipping needs the global norm of every gradient first"
         if self.dtype == "fp16":
             return "after", "the fp16 overflow check needs every gradient first"
+        if world > 1:
+            return "overlapped", (f"no clipping and no overflow check: each rank steps its part "
+                                  f"of a block as soon as the block's gradient is averaged over "
+                                  f"the {world} ranks, while backward goes on")
         return "overlapped", "no clipping and no overflow check: each block steps as its gradients land"
 
     def grad_landing(self, num_blocks: int, device: torch.device,

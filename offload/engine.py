@@ -42,7 +42,7 @@ from offload.stepper import BlockStepper, StepReport, Update
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, freeze_pin_cap,
                            peak_rss_bytes, large_frees_to_os, started_worker)
 from offload.train_plan import plan_training
-from offload.zero import BlockReducer, ZeroGroup, env_world
+from offload.zero import BlockReducer, Reductions, ZeroGroup, env_world
 from offload.zero_rest import largest_module_numel
 
 
@@ -174,6 +174,14 @@ class Engine:
                 self.layers, self.act_store, self.device) > 0
 
     @property
+    def reductions(self) -> Reductions | None:
+        """Across ranks, the gradient reductions the step waits for: stage 0-1's BlockReducer
+        or stage 2-3's sharded landing (offload/zero.py Reductions); None in one process."""
+        if self.zero is None:
+            return None
+        return self.reducer if self.reducer is not None else self.grads.storage
+
+    @property
     def gathers_weights(self) -> bool:
         """Each rank steps only its shard and the updated weights are all-gathered after the
         step (stages 1-3 across ranks; at stage 3 only the non-layer block's)."""
@@ -293,13 +301,15 @@ class Engine:
         self.grads.begin_micro(self.micro_step % accum)
         if self.micro_step % accum == 0:
             self._loss_finite = []
+            if self.reductions is not None:
+                self.reductions.new_window()
         # kept as a 0-d tensor: reading it now would make the host wait for the forward
         # (a device sync on CUDA); step() reads them all at once, where it waits anyway
         self._loss_finite.append(torch.isfinite(loss.detach()))
         self.path.backward_begins(self.grads.is_last_micro)
         if self.reducer is not None and self.grads.is_last_micro:
-            # each block's reduction starts as its final gradients land (the after-backward
-            # path, the only one across ranks, sets no callback of its own)
+            # each block's reduction starts as its final gradients land (across ranks the
+            # step paths hook the reductions instead: Reductions.on_issued)
             self.grads.on_block_done = self.reducer.complete
         t0 = time.perf_counter()
         # loss / accum (not loss * (1/accum)): the same float the plain-PyTorch loop computes
@@ -313,6 +323,8 @@ class Engine:
             if self._gpu_timer is not None:
                 self._gpu_timer.stop("backward")
             self.grads.on_block_done = None
+            if self.reductions is not None:
+                self.reductions.on_issued = None
             if self.streaming is not None:
                 self.streaming.end_backward()
             if self.act_store is not None:

@@ -218,6 +218,8 @@ class GradLanding:
             self.slot_norm.clear()
             self.touched = [set() for _ in self.blocks]
             self.landed = [set() for _ in self.blocks]
+        if self.sharded:  # the window's last reductions make each block's mean final
+            self.storage.begin_micro(self.is_last_micro)
 
     @property
     def is_last_micro(self) -> bool:

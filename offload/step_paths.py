@@ -10,7 +10,8 @@ Every path answers the same three calls from the engine, in this order per updat
   AfterBackward  the plain loop: the whole step runs in step(), after backward;
   Overlapped     each block is stepped on the step thread as soon as its gradients land, while
                  backward goes on (same math: only when nothing global -- clipping, an fp16
-                 overflow check -- is needed first);
+                 overflow check -- is needed first); across ranks, as soon as its gradient is
+                 averaged over them (the step thread waits for the reduction, not backward);
   Delayed        (offload/delayed.py) the whole step of update t runs during the forward and
                  backward of update t+1, one step stale (ZeRO-Offload's DPU).
 
@@ -83,9 +84,15 @@ class Overlapped(AfterBackward):
 
     def backward_begins(self, last_micro: bool) -> None:
         e = self.engine
+        if not last_micro:
+            return
         # an update with a non-finite loss is skipped, so no block may be stepped while this
-        # backward runs (the one host sync the overlapped path pays for the guard)
-        if not last_micro or not e.losses_finite():
+        # backward runs (the one host sync the overlapped path pays for the guard); across
+        # ranks every rank must begin in backward or none: one small all-reduce agrees
+        finite = e.losses_finite()
+        if e.zero is not None:
+            finite = not e.zero.any_rank(not finite)
+        if not finite:
             return
         # the update's math needs nothing global (no clipping, no overflow check), so it is
         # fixed now and each block is stepped by the step thread as its final gradients land
@@ -93,19 +100,42 @@ class Overlapped(AfterBackward):
         self.poisoned = None
         self.job_rep = StepReport()
         self.jobs = []
-        e.grads.on_block_done = self.block_done  # the engine unsets it when backward ends
+        # the engine unsets both when backward ends
+        if e.zero is None:
+            e.grads.on_block_done = self.block_done
+        else:  # across ranks a block is stepped once its gradient is averaged over them
+            e.reductions.on_issued = self.block_reducing
 
     def block_done(self, bi: int) -> None:
         """Called when block bi's final gradients have landed (autograd thread on CPU, landing
         worker on CUDA): step it on the step thread while backward continues."""
+        if self._finite(bi):
+            self.jobs.append(self.engine.step_thread.submit(
+                self.engine.stepper.step_block, self.engine.update, bi, self.job_rep))
+
+    def block_reducing(self, bi: int) -> None:
+        """Across ranks: block bi's gradients all landed on this rank and their reduction was
+        just issued (on the landing thread). Its job on the step thread first waits for the
+        reduction -- the step thread waits, backward goes on -- then steps this rank's part."""
+        if self._finite(bi):
+            self.jobs.append(self.engine.step_thread.submit(self._step_reduced, bi))
+
+    def _step_reduced(self, bi: int) -> None:
+        e = self.engine
+        e.reductions.complete_through(bi)
+        e.stepper.step_block(e.update, bi, self.job_rep)
+
+    def _finite(self, bi: int) -> bool:
+        """Block bi's gradients (this rank's) are finite; else it is not stepped, nor any
+        block after it, and step() stops. Orders its upload after backward's kernels."""
         e = self.engine
         if self.poisoned is not None or not e.grads.block_finite(bi):
             # a finite loss with inf/nan gradients: this block is not stepped; step() stops
             if self.poisoned is None:
                 self.poisoned = bi
-            return
+            return False
         e.order_upload_after_backward(bi)
-        self.jobs.append(e.step_thread.submit(e.stepper.step_block, e.update, bi, self.job_rep))
+        return True
 
     def step(self, rep: StepReport) -> bool:
         if self.jobs is None:  # not begun in backward (a non-finite loss): the plain step
@@ -117,9 +147,14 @@ class Overlapped(AfterBackward):
         rep.overlap_wait_s = time.perf_counter() - t0
         rep.overlapped_blocks = len(self.jobs)
         self.jobs = None
-        if self.poisoned is not None:
+        poisoned = self.poisoned is not None
+        if e.zero is not None:  # any rank's inf/nan went into every rank's averaged gradients
+            poisoned = e.zero.any_rank(poisoned)
+        if poisoned:
+            where = (e.blocks[self.poisoned].name if self.poisoned is not None
+                     else "another rank's gradients")
             raise NonFiniteError(
-                f"non-finite gradients in {e.blocks[self.poisoned].name} with a finite loss, "
+                f"non-finite gradients in {where} with a finite loss, "
                 f"after {rep.overlapped_blocks} blocks of this update were already stepped "
                 f"(the overlapped step applies each block as its gradients land); the in-memory "
                 f"state is inconsistent: resume from the last checkpoint (untouched), and set "

@@ -21,14 +21,15 @@ tensor, with equal parts, as NCCL and gloo want them.
            offload_params="nvme"): the block streamer gathers a
            layer from every rank's shard just before it runs, in forward and again in
            backward, and drops it after (ShardGather); the step writes the rank's new shard
-           in place. The non-layer block (embeddings, final norm, head) stays whole on every
-           rank, stepped by shards and all-gathered after the step as at stage 1.
+           in place. The non-layer block (embeddings, final norm, head) is sharded too: each
+           module gathers its own parameters around its forward (offload/zero_rest.py).
 
 Per update a rank sends (ring algorithms, n elements of the block): all-reduce 2n(N-1)/N,
 reduce-scatter and all-gather n(N-1)/N each -- so stages 0, 1 and 2 move the same 2Φ elements
 per rank, the ZeRO paper's point: sharding the optimizer state costs no extra communication;
 stage 3 adds the layers' gathers in forward and backward (at most 3Φ: the last layer is
-gathered once, it stays bound between its forward and backward, and the non-layer block once).
+gathered once, it stays bound between its forward and backward, and each non-layer module
+once per forward).
 `CommCounter` counts exactly that, per collective, from the calls made.
 
 Every collective is issued in the same order on every rank (blocks in step order, never in the
@@ -42,6 +43,7 @@ import datetime
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -273,9 +275,10 @@ class ZeroGroup:
 
 
 class InOrder:
-    """Runs `issue(block)` for blocks as they complete, but only in `order` (the same on every
-    rank): a block that completes early waits for the ones before it, so collectives pair up
-    across ranks whatever order each rank's blocks happened to finish in."""
+    """Runs `issue(block, complete)` for blocks as they complete, but only in `order` (the same
+    on every rank): a block that completes early waits for the ones before it, so collectives
+    pair up across ranks whatever order each rank's blocks happened to finish in. `complete`
+    says the block's gradients all landed on this rank (False for a block issued by flush())."""
 
     def __init__(self, order: list[int], issue):
         self.order, self.issue = order, issue
@@ -285,18 +288,74 @@ class InOrder:
     def complete(self, bi: int) -> None:
         self.done.add(bi)
         while self.cursor < len(self.order) and self.order[self.cursor] in self.done:
-            self.issue(self.order[self.cursor])
+            self.issue(self.order[self.cursor], True)
             self.cursor += 1
 
     def flush(self) -> None:
         """Issue every block not issued yet, in order, and start over."""
         for bi in self.order[self.cursor:]:
-            self.issue(bi)
+            self.issue(bi, bi in self.done)
         self.done.clear()
         self.cursor = 0
 
 
-class BlockReducer:
+class Reductions:
+    """What the step paths see of a rank's gradient reductions (BlockReducer, and stage 2's
+    ShardedLanding in offload/zero_grads.py). Reductions complete in the order they were issued
+    (the step order, the same on every rank); `complete_through(bi)` returns once block bi's
+    averaged gradient is final for this window, from any thread; `on_issued(bi)` -- set by the
+    overlapped step for the window's last backward -- is told of each block issued whose
+    gradients all landed on this rank, so that its step can be queued behind its reduction.
+
+    Who waits: the thread that lands gradients only to bound the buffers in flight (stage 2);
+    the step thread (overlapped: each job waits for its own block's reduction, so backward does
+    not); the main thread at the step for the rest. They take turns per reduction (`_lock`):
+    one completes and is folded into its block at a time, oldest first, so two micro-batches'
+    sums of one block are never added at once and the landing thread waits at most for one."""
+
+    def __init__(self, zero: ZeroGroup):
+        self.zero = zero
+        self.works: deque = deque()  # (block, output, work, ...) in issue order
+        self.final: set[int] = set()  # blocks whose averaged gradient is final this window
+        self.on_issued = None  # Callable[[int], None] | None
+        self._lock = threading.Lock()
+
+    def _finalize(self, item) -> None:
+        """One completed reduction folded into its block's gradient (the subclass's layout)."""
+        raise NotImplementedError
+
+    def _complete_oldest(self) -> None:
+        """The oldest reduction waited for and folded in; the caller holds `_lock`."""
+        item = self.works.popleft()
+        item[2].wait()
+        self._finalize(item)
+
+    def complete_through(self, bi: int) -> None:
+        """Wait until block bi's averaged gradient is final (its last reduction folded in)."""
+        while True:
+            with self._lock:
+                if bi in self.final:
+                    return
+                assert self.works, f"block {bi}: no reduction pending and none final"
+                self._complete_oldest()
+
+    def new_window(self) -> None:
+        """Before an accumulation window's first backward (the last window's step jobs, which
+        read `final`, were joined at its step)."""
+        self.final.clear()
+
+    def complete_all(self) -> None:
+        with self._lock:
+            while self.works:
+                self._complete_oldest()
+
+    def _issued(self, bi: int, complete: bool) -> None:
+        on_issued = self.on_issued  # read once: the main thread clears it when backward ends
+        if complete and on_issued is not None:
+            on_issued(bi)
+
+
+class BlockReducer(Reductions):
     """Stages 0-1: each block's gradient is averaged across ranks once it is final -- started
     during the window's last backward as each block completes (gloo and NCCL run it on their
     own threads/streams while backward goes on), the rest at the step. All-reduced whole at
@@ -304,18 +363,20 @@ class BlockReducer:
     of its shard (the rest of the buffer is not read)."""
 
     def __init__(self, zero: ZeroGroup, buffer, numels: list[int], order: list[int]):
-        self.zero, self.buffer, self.numels = zero, buffer, numels
-        self.works: list = []
+        super().__init__(zero)
+        self.buffer, self.numels = buffer, numels
         self.blocks = InOrder(order, self._issue)
 
     def complete(self, bi: int) -> None:
         """Block bi's gradients are final (any thread that lands gradients)."""
         self.blocks.complete(bi)
 
-    def _issue(self, bi: int) -> None:
+    def _issue(self, bi: int, complete: bool) -> None:
         z, buf = self.zero, self.buffer(bi)
         sh = z.shards(self.numels[bi])
         assert buf.numel() == sh.padded, (buf.numel(), sh.padded)
+        # appended without the lock (deque appends and pops are atomic): a consumer waiting
+        # for an older reduction must not hold up backward's next issue
         if z.stage == 0:
             z.comm.add("all_reduce", sh.padded, buf.element_size(), z.world)
             self.works.append((bi, None, dist.all_reduce(buf, group=z.group_for(buf),
@@ -323,24 +384,26 @@ class BlockReducer:
         else:
             out = torch.empty(sh.size, dtype=buf.dtype, device=buf.device)
             self.works.append((bi, out, z.reduce_scatter_async(out, buf)))
+        self._issued(bi, complete)
+
+    def _finalize(self, item) -> None:
+        bi, out, _ = item
+        buf = self.buffer(bi)
+        if out is None:
+            buf.div_(self.zero.world)  # the mean over ranks: each rank's loss is its batch's mean
+        else:
+            lo = self.zero.rank * out.numel()
+            buf[lo:lo + out.numel()].copy_(out).div_(self.zero.world)
+        self.final.add(bi)
 
     def finish(self) -> float:
         """At the step (every gradient final, untouched slots zeroed): the blocks not started
         yet, in order; then wait for all and turn sums into means. Seconds waited."""
         t0 = time.perf_counter()
         self.blocks.flush()
-        z = self.zero
-        for bi, out, work in self.works:
-            work.wait()
-            buf = self.buffer(bi)
-            if out is None:
-                buf.div_(z.world)  # the mean over ranks: each rank's loss is its batch's mean
-            else:
-                lo = z.rank * out.numel()
-                buf[lo:lo + out.numel()].copy_(out).div_(z.world)
-        self.works = []
+        self.complete_all()
         waited = time.perf_counter() - t0
-        z.comm.wait_s += waited
+        self.zero.comm.wait_s += waited
         return waited
 
 

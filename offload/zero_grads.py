@@ -22,18 +22,18 @@ main thread after the landing has been waited for -- never at the same time.
 
 from __future__ import annotations
 
-from collections import deque
+import time
 from typing import Callable
 
 import torch
 
 from offload.tiers import MemoryAccount, PlanBytes, host_zeros, no_pinning
-from offload.zero import InOrder
+from offload.zero import InOrder, Reductions
 
 IN_FLIGHT = 2  # reduce-scatters outstanding before the landing thread waits for the oldest
 
 
-class ShardedLanding:
+class ShardedLanding(Reductions):
     kind = "sharded"
 
     def __init__(self, numels: list[int], padded: list[int], dtype: torch.dtype,
@@ -43,7 +43,8 @@ class ShardedLanding:
         `order`: the step order (the same on every rank); `slot_counts`: parameters per block."""
         self.numels, self.padded = numels, padded
         self.dtype, self.device, self.tier, self.pin = dtype, device, tier, pin
-        self.account, self.zero, self.order = account, zero, order
+        super().__init__(zero)
+        self.account, self.order = account, order
         self.slot_counts = slot_counts
         self.ranges = [zero.shards(n).range(zero.rank) for n in numels]
         self.shards = [self._zeros(p // zero.world) for p in padded]  # [S] each
@@ -52,8 +53,9 @@ class ShardedLanding:
         self.landing: list[torch.Tensor | None] = [None] * len(numels)  # whole, this micro-batch
         self.landed_now = [0] * len(numels)  # slots landed in this micro-batch
         self.blocks = InOrder(order, self._issue)  # reductions in step order on every rank
-        self.works: deque = deque()  # (block, output [S], work, whole buffer)
+        # self.works: (block, output [S], work, whole buffer, of the window's last micro-batch)
         self.written: set[int] = set()  # shards holding a sum of this window
+        self.last_micro = False  # reductions issued now are the window's last for their block
 
     @staticmethod
     def plan_bytes(padded: list[int], itemsize: int, tier: str, world: int,
@@ -95,23 +97,36 @@ class ShardedLanding:
         if self.landed_now[bi] == self.slot_counts[bi]:
             self.blocks.complete(bi)
 
-    def _issue(self, bi: int) -> None:
+    def begin_micro(self, last: bool) -> None:
+        self.last_micro = last
+
+    def _issue(self, bi: int, complete: bool) -> None:
         whole = self.buffer(bi)
         self.landing[bi] = None
         out = torch.empty(self.padded[bi] // self.zero.world, dtype=self.dtype, device=self.device)
-        self.works.append((bi, out, self.zero.reduce_scatter_async(out, whole), whole))
-        while len(self.works) > IN_FLIGHT:
-            self._complete_oldest()
+        self.works.append((bi, out, self.zero.reduce_scatter_async(out, whole), whole,
+                           self.last_micro))
+        self._issued(bi, complete)
+        if len(self.works) > IN_FLIGHT:  # bound the whole buffers in flight: wait for the oldest
+            t0 = time.perf_counter()
+            with self._lock:
+                while len(self.works) > IN_FLIGHT:
+                    self._complete_oldest()
+            self.zero.comm.wait_s += time.perf_counter() - t0
 
-    def _complete_oldest(self) -> None:
-        bi, out, work, whole = self.works.popleft()
-        self.zero.wait(work)
+    def _finalize(self, item) -> None:
+        """Called with the lock held (Reductions): this rank's summed shard into its block's
+        window sum; after the window's last micro-batch, the mean over ranks -- final."""
+        bi, out, _, whole, last = item
         if bi in self.written:
             self.shards[bi].add_(out)
         else:
             self.shards[bi].copy_(out)
             self.written.add(bi)
         self.account.sub(self.tier, "buffers", whole.nbytes)
+        if last:
+            self.shards[bi].div_(self.zero.world)
+            self.final.add(bi)
 
     def end_micro(self) -> None:
         """After a backward (its landing waited for): every block not reduced yet is, in
@@ -120,13 +135,14 @@ class ShardedLanding:
         self.landed_now = [0] * len(self.numels)
 
     def finish_window(self) -> None:
-        """At the step: every reduction complete; a block no rank reduced into in this window
-        is zero; the sums become the mean over ranks."""
-        while self.works:
-            self._complete_oldest()
+        """At the step: every reduction complete (each block's mean is final once its last
+        micro-batch's reduction is folded in); a block no rank reduced into in this window is
+        zero."""
+        self.complete_all()
         for bi, shard in enumerate(self.shards):
-            if bi in self.written:
-                shard.div_(self.zero.world)
-            else:
-                shard.zero_()
+            if bi not in self.final:
+                if bi in self.written:
+                    shard.div_(self.zero.world)
+                else:
+                    shard.zero_()
         self.written.clear()

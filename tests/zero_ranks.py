@@ -77,7 +77,7 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     engine = offload.initialize(model, offload.OffloadConfig(**cfg_kw))
     if load:
         engine.load_state(load)
-    losses, sent = [], []
+    losses, sent, overlapped = [], [], []
     for i, ids in enumerate(data):
         loss = lm_loss(model, ids[rank * per:(rank + 1) * per])
         if poison == [rank, i]:
@@ -89,6 +89,7 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
         if engine.step():
             sent.append({k: v for k, v in engine.last_report.bytes.items()
                          if k in ("all_reduce", "reduce_scatter", "all_gather", "all_gather_fetch")})
+            overlapped.append(engine.last_report.overlapped_blocks)
             if save and len(sent) == save_after:
                 engine.save_state(save)
     masters = engine.master_params()
@@ -101,7 +102,8 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     return {"losses": losses, "masters": masters, "memory": memories, "sent": sent,
             "plan": plan, "peaks": peaks, "global_step": engine.global_step,
             "skipped": engine.skipped_steps, "loss_scale": engine.loss_scale,
-            "grad_norm": engine.last_report.grad_norm}
+            "grad_norm": engine.last_report.grad_norm, "path": engine.path.name,
+            "overlapped": overlapped}
 
 
 def main() -> None:
