@@ -58,8 +58,9 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 Placement = Literal["none", "cpu", "nvme"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 StepPathName = Literal["after", "overlapped", "delayed"]  # how the step meets backward
-# offload/grad_storage.py; "sharded": ZeRO stage 2's (offload/zero_grads.py)
-GradStorageName = Literal["per_block", "pooled", "double", "adopted", "sharded"]
+# offload/grad_storage.py; "sharded": ZeRO stage 2's (offload/zero_grads.py), "double_sharded"
+# its two sets of shards for the delayed update
+GradStorageName = Literal["per_block", "pooled", "double", "adopted", "sharded", "double_sharded"]
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
                   "half": "fp16"}
 
@@ -290,11 +291,14 @@ class OffloadConfig:
         accumulation (nothing kept between micro-batches) and host landing, and pays off only
         with more blocks than buffers; "double" is the delayed update's; otherwise "per_block".
         Across ranks (`world` > 1): "sharded" at ZeRO stage 2 (each rank keeps its shard of
-        each gradient), else "per_block" (the collectives run on whole, padded block buffers).
+        each gradient), else "per_block" (the collectives run on whole, padded block buffers);
+        the delayed update's two sets of either ("double_sharded", "double").
         One answer for the engine and the planner."""
         path = self.step_path(world)[0]
         if world > 1:
-            return ("sharded" if self.zero_stage >= 2 else "per_block"), 0
+            if self.zero_stage >= 2:
+                return ("double_sharded" if path == "delayed" else "sharded"), 0
+            return ("double" if path == "delayed" else "per_block"), 0
         if path == "delayed":
             return "double", 0
         if path == "after" and self.grad_accum_steps == 1 and device.type == "cpu":

@@ -23,6 +23,11 @@ update is pending holds the masters (which include it) and the weights in use be
 a resumed run computes with the same stale weights and makes the update live at the same step
 as the run that went on. `Engine.latest_weights()` lets an evaluation see the newest weights
 without changing the trajectory. The first `delayed_update_warmup` updates are synchronous.
+
+Across ranks (ZeRO stages 0-2) the gradients handed to the job are already averaged (and the
+clip coefficient agreed) at step 2; the job steps this rank's part only and issues no
+collective; `gather()` all-gathers every rank's part of the shadow on the main thread when it
+goes live (step 1) or an evaluation asks for it, the same point on every rank.
 """
 
 from __future__ import annotations
@@ -55,11 +60,16 @@ class Delayed(AfterBackward):
     def __init__(self, engine: "Engine"):
         assert all(f is not None for f in engine.flat16), "delayed_update needs resident weights"
         super().__init__(engine)
-        # the job's output: a second device copy of every block's 16-bit weights
-        self.shadow = [torch.empty_like(f) for f in engine.flat16]
-        for f in self.shadow:
-            engine.account.add("device", "weights", f.numel() * f.element_size())
+        # the job's output: a second device copy of every block's 16-bit weights (across
+        # ranks at stages 1-2, padded as the live ones are: each rank's job writes its shard,
+        # all-gathered when the weights go live)
+        self.shadow_padded = [torch.empty_like(p if p is not None else f)
+                              for f, p in zip(engine.flat16, engine.flat16_padded)]
+        self.shadow = [t[:f.numel()] for t, f in zip(self.shadow_padded, engine.flat16)]
+        for t in self.shadow_padded:
+            engine.account.add("device", "weights", t.numel() * t.element_size())
         self._job: tuple[Future, StepReport] | None = None
+        self.gathered = True  # the shadow holds every rank's part (trivially so in one process)
 
     @staticmethod
     def plan_bytes(resident_numels: list[int], itemsize: int) -> PlanBytes:
@@ -84,10 +94,11 @@ class Delayed(AfterBackward):
         update = e.begin_update(grad_scale)  # step number, lr and grad scale are fixed here
         job_rep = StepReport()
         self._job = (e.step_thread.submit(self._run, update, grads, job_rep), job_rep)
+        self.gathered = not e.gathers_weights
         rep.delayed = True
         return True
 
-    def _run(self, update: Update, grads: list[torch.Tensor], rep: StepReport) -> None:
+    def _run(self, update: Update, grads: list[dict[int, torch.Tensor]], rep: StepReport) -> None:
         """On the step thread: every block stepped from `grads` into the shadow weights."""
         e = self.engine
         # The update writes its new weights to the shadow buffers (the main thread computes
@@ -114,6 +125,7 @@ class Delayed(AfterBackward):
         done: Future = Future()
         done.set_result(None)
         self._job = (done, StepReport())
+        self.gathered = not self.engine.gathers_weights  # load_state filled this rank's part
 
     def join(self) -> None:
         """Wait for the pending job (re-raising its failure); its weights stay pending."""
@@ -122,6 +134,20 @@ class Delayed(AfterBackward):
 
     def flush(self) -> None:
         self.apply(StepReport())
+
+    def gather(self) -> float:
+        """Across ranks (stages 1-2): every rank's part of the pending weights to every rank,
+        once, after the job (a collective: every rank calls it at the same point -- the step,
+        or an evaluation's latest_weights). Seconds waited."""
+        if self.gathered:
+            return 0.0
+        e = self.engine
+        self.join()
+        if e.cuda:  # the job's uploads into the shadow ran on the H2D stream
+            torch.cuda.current_stream(e.device).wait_stream(e.h2d_stream)
+        waited = e.zero.gather_weights(self.shadow_padded, e.step_order())
+        self.gathered = True
+        return waited
 
     def apply(self, rep: StepReport) -> None:
         """Wait for the pending job and make its weights the ones the model computes with."""
@@ -133,6 +159,7 @@ class Delayed(AfterBackward):
         self._job = None
         fut.result()
         rep.overlap_wait_s += time.perf_counter() - t0
+        rep.comm_wait_s += self.gather()
         # the job's own split, hidden behind this update's forward and backward
         rep.cpu_step_s += job_rep.cpu_step_s
         rep.upload_s += job_rep.upload_s
@@ -140,6 +167,8 @@ class Delayed(AfterBackward):
         rep.hidden_upload_s += job_rep.upload_s
         rep.overlapped_blocks = len(e.blocks)
         e.flat16, self.shadow = self.shadow, e.flat16
+        # and the (padded) buffers behind them, which the gathers across ranks run on
+        e.flat16_padded, self.shadow_padded = self.shadow_padded, e.flat16_padded
         for bi, block in enumerate(e.blocks):
             bind_views(block, e.flat16[bi], e.module)
         if e.cuda:
@@ -151,6 +180,7 @@ class Delayed(AfterBackward):
         """Forget the pending job after waiting for it (load_state overwrites everything)."""
         self.join()
         self._job = None
+        self.gathered = True  # nothing pending
         e = self.engine
         if e.cuda:
             # join() waited for the job on the host, not for its uploads on the H2D stream:

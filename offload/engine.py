@@ -356,7 +356,8 @@ class Engine:
             if self.reducer is not None:  # stage 2 reduced each block during backward
                 rep.comm_wait_s += self.reducer.finish()
         applied = self.path.step(rep)
-        if applied and self.gathers_weights:  # every rank's new shard to every rank
+        # every rank's new shard to every rank (a delayed update's when it goes live)
+        if applied and self.gathers_weights and not rep.delayed:
             rep.comm_wait_s += self.zero.gather_weights(self.flat16_padded, self.step_order())
         self._finish_report(rep, t_step, before)
         return applied
@@ -509,6 +510,7 @@ class Engine:
             yield
             return
         self.delayed.join()
+        self.delayed.gather()  # across ranks: every rank's part of them (a collective)
         if self.cuda:  # the job's uploads into those buffers ran on the H2D stream
             torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
         for bi, block in enumerate(self.blocks):

@@ -106,11 +106,15 @@ def _save_shards(engine: "Engine", directory: str) -> None:
     the previous checkpoint stays the one to resume from)."""
     zero = engine.zero
     bad = None
+    # a pending delayed update (stages 1-2): each rank saves its part of the weights in use
+    pending = engine.delayed is not None and engine.delayed.pending
     for bi, block in enumerate(engine.blocks):
         lo, hi = engine.owned(bi)
         if hi <= lo:
             continue
         tensors = {k: engine.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+        if pending:
+            tensors["live"] = engine.flat16[bi][lo:hi].cpu()
         try:
             check_finite(tensors, f"block {block.name} (rank {zero.rank}'s shard)")
         except NonFiniteError as e:
@@ -253,7 +257,8 @@ def _load_block(engine: "Engine", bi: int, pending: bool,
     block = engine.blocks[bi]
     lo, hi = engine.owned(bi)
     values = {k: torch.empty(hi - lo, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
-    live = None
+    # a pending delayed update's weights in use, over [lo, hi) too (saved whole or per rank)
+    live = torch.empty(hi - lo, dtype=engine.dtype) if pending else None
     for path, plo, phi in pieces:
         a, b = max(lo, plo), min(hi, phi)
         if a >= b:
@@ -261,7 +266,7 @@ def _load_block(engine: "Engine", bi: int, pending: bool,
         try:
             with SafetensorsFile(path) as f:
                 saved = {k: f.read(k) for k in values}
-                live = f.read("live") if pending and (plo, phi) == (0, block.numel) else live
+                saved_live = f.read("live") if pending else None
         except (FormatError, KeyError, OSError) as e:
             raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
         for kind, t in saved.items():
@@ -269,17 +274,20 @@ def _load_block(engine: "Engine", bi: int, pending: bool,
                 raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
                                  f"expected ({phi - plo},) float32")
             values[kind][a - lo:b - lo] = t[a - plo:b - plo]
+        if saved_live is not None:
+            if saved_live.shape != (phi - plo,) or saved_live.dtype != engine.dtype:
+                raise StateError(f"{path}: live weights have shape {tuple(saved_live.shape)} "
+                                 f"{saved_live.dtype}, expected ({phi - plo},) {engine.dtype}")
+            live[a - lo:b - lo] = saved_live[a - plo:b - plo]
     for kind, t in values.items():
         engine.state.load(bi, kind, t)
-    if live is not None and (live.shape != (block.numel,) or live.dtype != engine.dtype):
-        raise StateError(f"{path}: live weights have shape {tuple(live.shape)} {live.dtype}, "
-                         f"expected ({block.numel},) {engine.dtype}")
     if bi in engine.layer_of:  # 16-bit weights follow the masters, in their tier
         engine.streaming.load_weights(engine.layer_of[bi], values["master"].to(engine.dtype))
     elif live is not None and engine.delayed is not None:
-        # the saved run was computing with the weights from before its last update
-        engine.flat16[bi].copy_(live)
-        engine.delayed.shadow[bi].copy_(values["master"])
+        # the saved run was computing with the weights from before its last update; across
+        # ranks each rank fills its part of both, gathered after (load_state, the next step)
+        engine.flat16[bi][lo:hi].copy_(live)
+        engine.delayed.shadow[bi][lo:hi].copy_(values["master"])
     else:  # not delayed now: the pending update simply goes live
         base = engine.weight_base(bi)  # stage 3: the home is this rank's shard
         engine.flat16[bi][lo - base:hi - base].copy_(values["master"])

@@ -94,12 +94,13 @@ class GradLanding:
         self.landing_dtype = landing_dtype(grad_dtype, accum_steps)
         numels = buffer_numels or [b.numel for b in blocks]
         self.local_norms = zero is None
-        if storage == "sharded":
+        if storage in ("sharded", "double_sharded"):
             from offload.zero_grads import ShardedLanding
             where = source_device if landing_tier == "device" else torch.device("cpu")
             self.storage = ShardedLanding(
                 [b.numel for b in blocks], numels, self.landing_dtype, where, landing_tier, pin,
-                account, zero, step_order, [len(b.slots) for b in blocks])
+                account, zero, step_order, [len(b.slots) for b in blocks],
+                sets=2 if storage == "double_sharded" else 1)
         elif storage == "pooled":
             assert accum_steps == 1 and landing_tier == "host" and pool_buffers > 0, \
                 "pooled landing needs accum 1 on the host"
@@ -141,9 +142,10 @@ class GradLanding:
             out = Pooled.plan_bytes(numels, itemsize, pool_buffers, pooled, host_pin)
         elif storage == "adopted":
             out = Adopted.plan_bytes(numels, itemsize, landing_tier)
-        elif storage == "sharded":
+        elif storage in ("sharded", "double_sharded"):
             from offload.zero_grads import ShardedLanding
-            out = ShardedLanding.plan_bytes(numels, itemsize, landing_tier, world, host_pin)
+            out = ShardedLanding.plan_bytes(numels, itemsize, landing_tier, world, host_pin,
+                                            sets=2 if storage == "double_sharded" else 1)
         else:
             kind = {"double": Double, "per_block": PerBlock}[storage]
             out = kind.plan_bytes(numels, itemsize, landing_tier, host_pin)
@@ -243,11 +245,13 @@ class GradLanding:
         """Block bi's landing buffer (pooled: taken from the pool on first use)."""
         return self.storage.buffer(bi)
 
-    def swap_sets(self) -> list[torch.Tensor]:
-        """Switch landing to the other set; returns the set just filled (the delayed update;
-        call after wait())."""
-        assert isinstance(self.storage, Double), "swap_sets needs double=True"
-        return self.storage.swap_sets()
+    def swap_sets(self) -> list[dict[int, torch.Tensor]]:
+        """Switch landing to the other set; returns the set just filled, as each block's
+        step_pieces (the delayed update; call after wait() and finish_window())."""
+        if self.sharded:  # this rank's shards (stage 2), keyed by their first block offset
+            return [{lo: t} for (lo, _), t in zip(self.storage.ranges, self.storage.swap_sets())]
+        assert isinstance(self.storage, Double), "swap_sets needs the double landing"
+        return [{0: t} for t in self.storage.swap_sets()]
 
     def release_buffer(self, bi: int) -> None:
         """Block bi has been stepped (pooled: its buffer goes back to the pool)."""

@@ -217,12 +217,21 @@ def make_zero(cfg: OffloadConfig, device: torch.device,
     import torch.distributed as dist
     if dist.get_world_size() == 1:
         return None
-    if cfg.offload_params != "none" and cfg.zero_stage < 3 and not frozen_base:
-        raise ConfigError("offload_params across data-parallel ranks streams each rank's "
-                          "shard of the 16-bit weights: that is ZeRO stage 3; set "
-                          "zero_stage=3 (--zero-stage 3), or offload_params='none'")
-    if cfg.delayed_update:
-        raise ConfigError("delayed_update across data-parallel ranks is not supported: the "
-                          "delayed step would run beside the next backward's collectives; "
-                          "drop delayed_update or run one process")
+    why = across_ranks_error(cfg, frozen_base)
+    if why is not None:
+        raise ConfigError(why)
     return ZeroGroup(cfg.zero_stage, device)
+
+
+def across_ranks_error(cfg: OffloadConfig, frozen_base: bool = False) -> str | None:
+    """Why `cfg` cannot run on several data-parallel ranks (one line saying what to change),
+    or None."""
+    if cfg.offload_params != "none" and cfg.zero_stage < 3 and not frozen_base:
+        return ("offload_params across data-parallel ranks streams each rank's shard of the "
+                "16-bit weights: that is ZeRO stage 3; set zero_stage=3 (--zero-stage 3), or "
+                "offload_params='none'")
+    if cfg.delayed_update and cfg.zero_stage == 3:
+        return ("delayed_update at ZeRO stage 3 is not supported: the layers' 16-bit weights "
+                "are gathered from the very shards the delayed step would be writing; use "
+                "zero_stage 0-2 (--zero-stage 2) or drop delayed_update")
+    return None

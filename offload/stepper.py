@@ -140,9 +140,10 @@ class BlockStepper:
         return {("host", "buffers"): ring} if ring else {}
 
     def step_block(self, u: Update, bi: int, rep: StepReport,
-                   grad: torch.Tensor | None = None) -> None:
+                   pieces: dict[int, torch.Tensor] | None = None) -> None:
         """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier.
-        `grad`: the block's flat gradient (default: where it landed in this backward)."""
+        `pieces`: the block's gradient as GradLanding.step_pieces gives it (default: where it
+        landed in this backward; the delayed update passes the set it swapped out)."""
         e, cfg = self.e, self.e.cfg
         beta1, beta2 = cfg.betas
         out16, where = self._target(u, bi)
@@ -151,8 +152,8 @@ class BlockStepper:
         # the gradient as (first block offset, flat tensor) pieces: the whole block's, or one
         # per slot where they were adopted as autograd made them (grad_storage.Adopted)
         # (or this rank's shard of it, ZeRO stage 2: keyed by the shard's first offset)
-        per_slot = grad is None and e.grads.adopted
-        pieces = e.grads.step_pieces(bi) if grad is None else {0: grad}
+        per_slot = pieces is None and e.grads.adopted
+        pieces = e.grads.step_pieces(bi) if pieces is None else pieces
         whole_base = next(iter(pieces))
         segments = self._segments(u, bi, per_slot)
         fp32 = e.dtype == torch.float32

@@ -38,9 +38,11 @@ class ShardedLanding(Reductions):
 
     def __init__(self, numels: list[int], padded: list[int], dtype: torch.dtype,
                  device: torch.device, tier: str, pin: bool, account: MemoryAccount, zero,
-                 order: list[int], slot_counts: list[int]):
+                 order: list[int], slot_counts: list[int], sets: int = 1):
         """`numels` / `padded`: each block's elements and buffer length (offload/zero.py);
-        `order`: the step order (the same on every rank); `slot_counts`: parameters per block."""
+        `order`: the step order (the same on every rank); `slot_counts`: parameters per block;
+        `sets`: 2 for the delayed update (its job steps from one set of shards while the next
+        window lands in the other: swap_sets)."""
         self.numels, self.padded = numels, padded
         self.dtype, self.device, self.tier, self.pin = dtype, device, tier, pin
         super().__init__(zero)
@@ -48,7 +50,8 @@ class ShardedLanding(Reductions):
         self.slot_counts = slot_counts
         self.ranges = [zero.shards(n).range(zero.rank) for n in numels]
         self.shards = [self._zeros(p // zero.world) for p in padded]  # [S] each
-        for t in self.shards:
+        self.other = [self._zeros(p // zero.world) for p in padded] if sets == 2 else None
+        for t in self.shards + (self.other or []):
             account.add(tier, "grads", t.nbytes)
         self.landing: list[torch.Tensor | None] = [None] * len(numels)  # whole, this micro-batch
         self.landed_now = [0] * len(numels)  # slots landed in this micro-batch
@@ -59,10 +62,10 @@ class ShardedLanding(Reductions):
 
     @staticmethod
     def plan_bytes(padded: list[int], itemsize: int, tier: str, world: int,
-                   pin: Callable[[int], int] = no_pinning) -> PlanBytes:
-        """The shards, and the whole-block buffers that can be held at once: IN_FLIGHT being
-        reduced, the one landing, one open across backward (a tied embedding's)."""
-        shards = sum(pin(p // world * itemsize) for p in padded)
+                   pin: Callable[[int], int] = no_pinning, sets: int = 1) -> PlanBytes:
+        """The shards (`sets` of them), and the whole-block buffers that can be held at once:
+        IN_FLIGHT being reduced, the one landing, one open across backward (a tied embedding's)."""
+        shards = sets * sum(pin(p // world * itemsize) for p in padded)
         return {(tier, "grads"): shards,
                 (tier, "buffers"): (IN_FLIGHT + 2) * pin(max(padded) * itemsize)}
 
@@ -83,6 +86,13 @@ class ShardedLanding(Reductions):
 
     def release(self, bi: int) -> None:
         """Block bi has been stepped: its shard stays for the next window."""
+
+    def swap_sets(self) -> list[torch.Tensor]:
+        """The delayed update (after finish_window): the averaged shards just completed, each
+        over its [lo, hi); the next window sums into the other set."""
+        assert self.other is not None, "swap_sets needs sets=2"
+        filled, self.shards, self.other = self.shards, self.other, self.shards
+        return [t[:hi - lo] for t, (lo, hi) in zip(filled, self.ranges)]
 
     def owned(self, bi: int) -> torch.Tensor:
         """This rank's averaged gradient of block bi over its [lo, hi) (after finish_window)."""

@@ -95,11 +95,14 @@ class Banner:
 def zero_state_bytes(cfg: OffloadConfig, phi: int, world: int) -> dict[str, int]:
     """The ZeRO paper's model states per rank for Φ parameters over `world` ranks at
     cfg.zero_stage, in this run's dtypes: weights, gradients (fp32 when accumulated), fp32
-    masters and the two moments -- 2Φ + 2Φ + 12Φ in mixed precision, sharded by the stage."""
+    masters and the two moments -- 2Φ + 2Φ + 12Φ in mixed precision, sharded by the stage. The
+    delayed update holds two sets of weights and of gradients (offload/delayed.py)."""
     item = cfg.torch_dtype.itemsize
     grad_item = 4 if cfg.grad_accum_steps > 1 else item
+    copies = 2 if cfg.delayed_update else 1
     shard = lambda n, stage: n // world if cfg.zero_stage >= stage else n  # noqa: E731
-    return {"weights": shard(phi * item, 3), "gradients": shard(phi * grad_item, 2),
+    return {"weights": copies * shard(phi * item, 3),
+            "gradients": copies * shard(phi * grad_item, 2),
             "masters + moments": shard(12 * phi, 1)}
 
 
@@ -178,8 +181,12 @@ def zero_lines(engine, totals: dict[str, float], updates: int) -> list[str]:
                ("all_reduce", "reduce_scatter", "all_gather", "all_gather_fetch")) / updates
     bound = k * phi * (world - 1) / world * cfg.torch_dtype.itemsize
     lines = [f"  ZeRO stage {cfg.zero_stage} over {world} ranks: sent {format_bytes(sent)} per update "
-             f"= {sent / bound:.2f} x {k}Φ(N-1)/N ({format_bytes(bound)})",
-             "  model states per rank  measured     formula"]
+             f"= {sent / bound:.2f} x {k}Φ(N-1)/N ({format_bytes(bound)})"
+             + (" (the delayed update's last weights are gathered when they go live, after "
+                "this count)" if engine.delayed is not None and cfg.zero_stage >= 1 else ""),
+             "  model states per rank  measured     formula"
+             + (" (x2 weights and gradients: the delayed update's second set)"
+                if cfg.delayed_update else "")]
     held = engine.account.kind_peaks()
     slots = engine.slot_bytes  # working buffers, not model states: shown apart below
     got = {"weights": sum(v for (_, kind), v in held.items() if kind == "weights") - slots,

@@ -199,6 +199,34 @@ def mixed_configs() -> list[dict]:
 HALF = UPDATES // 2
 
 
+# the delayed update (each update's CPU step during the next forward and backward, one step
+# stale) at stages 0-2, clipping and accumulation; one with 2 synchronous warm-up updates
+DELAYED = [(0, "cpu", "none"), (1, "nvme", "none"), (2, "cpu", "none")]
+
+
+def delayed_configs(swap: str, saved: str) -> list[dict]:
+    """DELAYED, stage 2 with warm-up, and stage 2 saving its state after half the updates --
+    with an update pending (resumed on 3 ranks at stage 1 by three_ranks)."""
+    runs = [dict(c, delayed_update=True) for c in fp32_configs(DELAYED, swap)]
+    return runs + [dict(runs[2], delayed_update_warmup=2),
+                   dict(runs[2], save=saved, save_after=HALF)]
+
+
+def delayed_reference(warmup: int) -> tuple[dict, list[float]]:
+    """tests/test_delayed.py's one-process reference of the delayed update, over the global
+    batch: (masters, losses)."""
+    from types import SimpleNamespace
+
+    from test_delayed import reference_delayed
+    torch.manual_seed(0)
+    model = make_model("tiny")
+    data = batches(vocab_of(model), UPDATES * ACCUM, ROWS, SEQ)
+    cfg = SimpleNamespace(lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
+                          weight_decay=OPT["weight_decay"], grad_accum_steps=ACCUM, grad_clip=CLIP)
+    masters, _, losses = reference_delayed(model, data, lm_loss, cfg=cfg, warmup=warmup)
+    return masters, losses
+
+
 def saving_config(saved: str) -> dict:
     """Stage 2 on the tiny Llama, its state saved after half the updates (the resume test's)."""
     return dict(fp32_configs([(2, "cpu", "none")], "")[0], save=saved, save_after=HALF)
@@ -213,7 +241,8 @@ def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     groups = {"tiny": fp32_configs(CONFIGS, str(tmp / "swap")), "mixed": mixed_configs(),
               "saving": [saving_config(str(tmp / "state"))],
               "lora": [dict(c, model="lora") for c in fp32_configs(LORA, str(tmp / "swap_lora"))],
-              "overlap": overlap_configs(str(tmp / "swap_overlap"))}
+              "overlap": overlap_configs(str(tmp / "swap_overlap")),
+              "delayed": delayed_configs(str(tmp / "swap_delayed"), str(tmp / "state_delayed"))}
     if importlib.util.find_spec("transformers") is not None:
         groups["hf"] = [dict(c, model="hf") for c in fp32_configs(FEW, str(tmp / "swap_hf"))]
     configs = [c for g in groups.values() for c in g]
@@ -221,6 +250,7 @@ def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
                                      configs=configs), 2, tmp))
     out = {name: [next(results) for _ in g] for name, g in groups.items()}
     out["state"] = str(tmp / "state")
+    out["state_delayed"] = str(tmp / "state_delayed")
     return out
 
 
@@ -231,7 +261,10 @@ def three_ranks(two_ranks, tmp_path_factory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("three_ranks")
     resume = dict(fp32_configs([(1, "nvme", "none")], str(tmp / "swap_resume"))[0],
                   load=two_ranks["state"], skip=HALF, updates=UPDATES - HALF)
-    groups = {"tiny": fp32_configs(FEW, str(tmp / "swap")), "resume": [resume]}
+    delayed = dict(resume, load=two_ranks["state_delayed"], delayed_update=True,
+                   nvme_dir=str(tmp / "swap_delayed"))
+    groups = {"tiny": fp32_configs(FEW, str(tmp / "swap")), "resume": [resume],
+              "delayed": [delayed]}
     results = iter(launch_ranks(dict(model="tiny", updates=UPDATES, rows=ROWS, seq=SEQ,
                                      configs=[c for g in groups.values() for c in g]), 3, tmp))
     return {name: [next(results) for _ in g] for name, g in groups.items()}
@@ -287,6 +320,46 @@ def test_overlapped_step_across_ranks_matches_one_process_adamw(two_ranks):
     assert poisoned["skipped"] == 1 and poisoned["global_step"] == UPDATES - 1
     ref, _, _ = reference("tiny", clip=0.0, skip_update=1)
     assert rel_diff(poisoned["masters"], ref) <= TOLERANCE
+
+
+def test_delayed_update_across_ranks_matches_one_process(two_ranks, three_ranks):
+    """The delayed update at stages 0-2 on 2 ranks (with clipping, accumulation, and a warm-up)
+    follows the one-process delayed reference within 1e-5 -- the losses too, so every forward
+    used the same stale weights; saved with an update pending at stage 2 and resumed on 3 ranks
+    at stage 1 (the weights in use saved per rank), it goes on exactly as the reference."""
+    results = two_ranks["delayed"]
+    ref, ref_losses = delayed_reference(warmup=0)
+    for i, res in enumerate(results):
+        if i == len(DELAYED):
+            want, want_losses = delayed_reference(warmup=2)
+        else:
+            want, want_losses = ref, ref_losses
+        assert res["path"] == "delayed"
+        d = rel_diff(res["masters"], want)
+        dl = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], want_losses))
+        assert d <= TOLERANCE and dl <= TOLERANCE, (i, d, dl)
+        check_plan(res["plan"], res["peaks"], ("delayed", i))
+    resumed = three_ranks["delayed"][0]
+    assert resumed["path"] == "delayed"
+    assert rel_diff(resumed["masters"], ref) <= TOLERANCE
+    tail = ref_losses[HALF * ACCUM:]
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], tail)) <= TOLERANCE
+
+
+def test_what_ranks_refuse_is_one_line():
+    """Across ranks: streamed weights need stage 3, the delayed update stages 0-2."""
+    from offload.config import OffloadConfig
+    from offload.placement import across_ranks_error
+    ok = dict(device="cpu", offload="cpu")
+    assert across_ranks_error(OffloadConfig(**ok, zero_stage=2, delayed_update=True)) is None
+    assert across_ranks_error(OffloadConfig(**ok, zero_stage=3, offload_params="cpu")) is None
+    assert "zero_stage=3" in across_ranks_error(OffloadConfig(**ok, zero_stage=2,
+                                                              offload_params="cpu"))
+    # a frozen (LoRA) base is streamed whole by each rank at stages 0-2
+    assert across_ranks_error(OffloadConfig(**ok, zero_stage=1, offload_params="cpu"),
+                              frozen_base=True) is None
+    why = across_ranks_error(OffloadConfig(**ok, zero_stage=3, delayed_update=True))
+    assert "stage 3" in why and "--zero-stage 2" in why and "\n" not in why
 
 
 def test_four_ranks_memory_and_bytes_follow_the_formulas(tmp_path):
