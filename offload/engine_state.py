@@ -24,6 +24,7 @@ import torch
 import nvme.format as nvme_format  # write_file looked up per call: fault injection replaces it
 from nvme.format import FormatError, SafetensorsFile
 from offload.optstate import NvmeState
+from offload.tiers import all_finite
 
 if TYPE_CHECKING:
     from offload.engine import Engine
@@ -41,7 +42,7 @@ class NonFiniteError(StateError):
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
     """Refuse to save state holding inf/nan: the last good checkpoint must stay."""
     for kind, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise NonFiniteError(f"{where}: the {kind} holds inf/nan values; not saving it (the "
                                  f"last checkpoint stays as it was) — the run diverged or its "
                                  f"state was damaged: resume from that checkpoint with a lower "

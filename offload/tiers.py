@@ -251,6 +251,17 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 PlanBytes = dict[tuple[Tier, Kind], int]
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No inf/nan in `t` (True for a non-float tensor). One read of `t` -- a sum, which any inf
+    or nan makes non-finite -- and the elementwise test only when the sum is not finite (it
+    may have overflowed); `isfinite(t).all()` writes a bool tensor of t's size first (2.4 s of
+    a 1.5 GB checkpoint's 11 s on this project's CPU)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    total = t.sum(dtype=torch.float32 if t.element_size() < 4 else None)
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
+
+
 def no_pinning(nbytes: int) -> int:
     """What a pageable buffer of `nbytes` takes (the `pin` argument of plan_bytes when buffers
     are not pinned; pinned_bytes when they are)."""

@@ -30,6 +30,7 @@ from nvme.format import (FormatError, SafetensorsFile, fsync_dir, open_regular, 
 from offload.models.config import (ConfigError, ModelConfig, block_parameter_shapes, block_prefix,
                                    parameter_shapes)
 from offload.models.llama import LlamaForCausalLM, build_model
+from offload.tiers import all_finite
 
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
@@ -403,12 +404,12 @@ def _export_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None, path: 
     t = t.detach()
     if t.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"save_pretrained: tensor {name!r} is {t.dtype}, not a float dtype")
-    finite_before = bool(torch.isfinite(t).all())
+    source = t
     t = t.to(device="cpu", dtype=dtype or t.dtype).contiguous()
-    if not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         # a checkpoint transformers would load and compute inf/nan with: never written
         why = (f"values past {t.dtype}'s range (largest {torch.finfo(t.dtype).max:g}); "
-               f"export in bf16 or fp32" if finite_before else "inf/nan values")
+               f"export in bf16 or fp32" if all_finite(source) else "inf/nan values")
         raise CheckpointError(f"save_pretrained: tensor {name!r} holds {why}; nothing "
                               f"was written to {path}")
     return t
