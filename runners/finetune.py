@@ -103,8 +103,10 @@ class StopRequested:
               f"(press again to abort without saving)", file=sys.stderr)
 
 
-def evaluate(model, data, micro_batch: int, device: torch.device) -> float:
-    """Held-out loss, in eval mode: LoRA's dropout is off (and draws no random numbers)."""
+def evaluate(model, data, micro_batch: int, device: torch.device, max_batches: int = 0) -> float:
+    """Held-out loss, in eval mode: LoRA's dropout is off (and draws no random numbers). Over
+    the first `max_batches` micro-batches of the held-out sequences (0: all): a large corpus's
+    5% would otherwise cost more than the updates between two evaluations."""
     from offload.data import masked_lm_loss
 
     total, count = 0.0, 0
@@ -112,7 +114,9 @@ def evaluate(model, data, micro_batch: int, device: torch.device) -> float:
     model.eval()
     try:
         with torch.no_grad():
-            for batch in data.eval_batches(micro_batch):
+            for i, batch in enumerate(data.eval_batches(micro_batch)):
+                if max_batches and i == max_batches:
+                    break
                 batch = batch.to(device)
                 logits = model(batch.ids[:, :-1], **batch.model_inputs())
                 n = int(batch.mask.sum())
@@ -301,9 +305,12 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
                                export_dtype,
                                write_weights=lora.checkpoint_writer() if lora is not None else None)
 
-    eval_loss0 = evaluate(model, data, micro, device) if not resume_dir else trainer.get("eval_loss0")
+    eval_loss0 = (evaluate(model, data, micro, device, args.eval_batches) if not resume_dir
+                  else trainer.get("eval_loss0"))
     if not resume_dir:
-        print(f"step 0: eval loss {eval_loss0:.4f}")
+        held = min(data.num_eval, args.eval_batches * micro or data.num_eval)
+        print(f"step 0: eval loss {eval_loss0:.4f} ({held} of {data.num_eval} held-out "
+              f"sequences; --eval-batches)")
     progress = _progress(args, engine.global_step)
     t_run = time.perf_counter()
     tokens_run = 0
@@ -317,7 +324,7 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
         row = _update_row(args, engine, loss_sum, dt, micro, totals)
         if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
             with engine.latest_weights():  # a pending delayed update's, trajectory unchanged
-                row["eval_loss"] = evaluate(model, data, micro, device)
+                row["eval_loss"] = evaluate(model, data, micro, device, args.eval_batches)
         row = finite_or_null(row)  # inf/nan (a skipped update's loss) as null: valid JSON
         history.append({k: row[k] for k in ("step", "loss") if k in row} |
                        ({"eval_loss": row["eval_loss"]} if "eval_loss" in row else {}))

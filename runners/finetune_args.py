@@ -18,7 +18,7 @@ DESCRIPTION = "fine-tune a Llama-family model with offloaded optimizer state"
 
 DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size=16,
                 micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
-                weight_decay=0.0, grad_clip=1.0, eval_every=50, save_every=0, seed=0)
+                weight_decay=0.0, grad_clip=1.0, eval_every=50, eval_batches=50, save_every=0, seed=0)
 
 # OffloadConfig's switches as this runner's flags, for the library's option-combination
 # messages (options with values read the same either way: offload='cpu' is --offload cpu)
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lora_args(ap)
     ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="updates between held-out "
                     "evaluations (0 = only at start and end)")
+    ap.add_argument("--eval-batches", type=int, default=d["eval_batches"], help="micro-batches of "
+                    "the held-out sequences (the data's last 5%%) each evaluation reads, always "
+                    "the same ones (0 = all of them; default %(default)s)")
     ap.add_argument("--save-every", type=int, default=d["save_every"], help="updates between checkpoints "
                     "(0 = only at the end)")
     ap.add_argument("--output", default="runs/finetune", help="output directory: model/ (Hugging Face "
@@ -152,8 +155,8 @@ def check_args(args: argparse.Namespace, world: int = 1) -> None:
         fail("--resume continues a run and --overwrite starts one over: give one of them")
     if args.stop_after is not None and args.stop_after < 1:
         fail(f"--stop-after must be at least 1, got {args.stop_after}")
-    if args.warmup_steps < 0 or args.eval_every < 0 or args.save_every < 0:
-        fail("--warmup-steps, --eval-every and --save-every must be >= 0")
+    if args.warmup_steps < 0 or args.eval_every < 0 or args.save_every < 0 or args.eval_batches < 0:
+        fail("--warmup-steps, --eval-every, --eval-batches and --save-every must be >= 0")
     if not 0 <= args.min_lr_ratio <= 1:
         fail(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     lora_config(args)
