@@ -1,6 +1,8 @@
 """scripts/gpu_check.py, the GPU proof kit, tested on the CPU: its help, its refusal without
 CUDA, and its orchestration (--allow-cpu runs every phase with tiny sizes). Every run is a
-subprocess of the script, the way it is used."""
+subprocess of the script, the way it is used -- except the three that end before any work
+(help, the refusal, a usage error), which call its main() here: a process each cost a torch
+import for nothing."""
 
 from __future__ import annotations
 
@@ -19,8 +21,20 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_help_names_every_phase_and_option():
-    r = run("--help")
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The script's main() in this process, for runs that end before any work: the same
+    (returncode, stdout, stderr) as run() gives."""
+    from conftest import load_script
+    try:
+        rc = load_script("gpu_check").main(list(args))
+    except SystemExit as e:  # argparse: --help, usage errors
+        rc = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["gpu_check.py", *args], rc, out.out, out.err)
+
+
+def test_help_names_every_phase_and_option(capsys):
+    r = run_main(capsys, "--help")
     assert r.returncode == 0, r.stderr
     for word in ("tests", "train", "infer", "big", "TORCH_CUDA_SANITIZER", "OFFLOAD_CUDA_SIDE_DELAY_CYCLES",
                  "accelerate", "floor", "--budget-s", "--phases", "--json", "--allow-cpu", "--train-presets",
@@ -30,8 +44,8 @@ def test_help_names_every_phase_and_option():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would run")
-def test_refuses_without_cuda_in_one_line(tmp_path):
-    r = run("--json", str(tmp_path / "out.json"))
+def test_refuses_without_cuda_in_one_line(tmp_path, capsys):
+    r = run_main(capsys, "--json", str(tmp_path / "out.json"))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: no CUDA device here"), r.stderr
@@ -39,8 +53,8 @@ def test_refuses_without_cuda_in_one_line(tmp_path):
     assert not (tmp_path / "out.json").exists()
 
 
-def test_bad_phase_is_a_usage_error():
-    r = run("--allow-cpu", "--phases", "train,warp")
+def test_bad_phase_is_a_usage_error(capsys):
+    r = run_main(capsys, "--allow-cpu", "--phases", "train,warp")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--phases" in r.stderr
 
 
