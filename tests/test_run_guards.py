@@ -203,16 +203,25 @@ def test_swap_store_leaves_other_files_alone(tmp_path, capsys):
 
 def test_resume_preflight_counts_the_swap_files_it_will_rewrite(tmp_path, monkeypatch):
     cfg = _cfg("nvme", tmp_path)
-    offload.initialize(MLP(), cfg).close()  # leaves the swap files, as a stopped run does
+    engine = offload.initialize(MLP(), cfg)
+    state = engine.plan.total("nvme")
+    engine.close()  # leaves the swap files, as a stopped run does
     with SwapStore(str(tmp_path / "swap")) as store:
         stored = store.stored_bytes()
     assert stored > 12 * sum(p.numel() for p in MLP().parameters())
-    # the disk has room for half the state besides the files already there: a preflight that
-    # did not count the files it will rewrite would need all of it. (A third was too tight on a
-    # slow disk: the first tensors' writes, still in flight when the later ones are checked,
-    # hold their bytes too -- 32 KB against 31 KB free in one CI run.)
-    monkeypatch.setattr(SwapStore, "free_bytes", lambda self: stored // 2)
+    # at start the disk has room for half the state besides the files already there: a
+    # preflight that did not count the files it will rewrite would need all of it. Only that
+    # first check sees half: each later write checks its tensor plus the writes still in
+    # flight, which hold their bytes until done -- up to most of this small state on a busy
+    # disk (45 KB held against 47 KB free, in one run), so a fixed amount was timing-dependent.
+    checks = []
+
+    def free_bytes(self):
+        checks.append(1)
+        return state // 2 if len(checks) == 1 else 1 << 40
+    monkeypatch.setattr(SwapStore, "free_bytes", free_bytes)
     offload.initialize(MLP(), cfg).close()
+    assert len(checks) > 1  # the start-up check, then each write's
     monkeypatch.setattr(SwapStore, "free_bytes", lambda self: 100)
     with pytest.raises(SwapError, match="needs"):
         offload.initialize(MLP(), cfg.replace(nvme_dir=str(tmp_path / "fresh")))
