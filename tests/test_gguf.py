@@ -248,3 +248,5 @@ def test_runners_report_a_damaged_gguf_in_one_line(smollm2_gguf, tmp_path, capsy
         assert run_main(main, ["--model", str(cut), *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "cut.gguf: cannot be read as GGUF" in err[0] and "download it again" in err[0], err
+        # named from the header's tensor table before the slow metadata parse: what is missing
+        assert "the file is 3000000 bytes, its tensors end at byte" in err[0], err

@@ -28,6 +28,7 @@ import hashlib
 import os
 import re
 import shutil
+import threading
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -72,6 +73,87 @@ def _gguf():
     return gguf
 
 
+# The gguf package parses every metadata value into numpy objects when a file is opened: ~2-5 s
+# for a 49K-token vocabulary on this project's CPU, paid again by each open of the same file in
+# one process (a conversion, then the quantized blocks taken from it, then the tokenizer files).
+# The parsed readers of the last few files are kept, keyed by the file's identity; a file that
+# changed (size, mtime, ctime, inode) is parsed again. They map the file read-only.
+_PARSED_KEEP = 2
+_parsed: dict[tuple, Any] = {}
+_parsed_lock = threading.Lock()
+
+
+def _parse(path: str):
+    """gguf.GGUFReader of `path`, parsed once per version of the file (see _parsed)."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    with _parsed_lock:
+        reader = _parsed.pop(key, None)
+        if reader is None:
+            reader = _gguf().GGUFReader(path, "r")
+        _parsed[key] = reader  # the newest last
+        while len(_parsed) > _PARSED_KEEP:
+            del _parsed[next(iter(_parsed))]
+        return reader
+
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _bytes_needed(path: str) -> int | None:
+    """The length a GGUF file must have to hold every tensor its header lists, read by skipping
+    over the metadata without decoding it (milliseconds, where the gguf package's parse takes
+    seconds): so a download cut short is named before that parse. None when the header is not
+    one this skipper follows (big-endian, an unknown type): the package's parse decides then."""
+    import mmap
+    import struct
+    gguf = _gguf()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", m, 0)
+            if magic != 0x46554747 or version not in (2, 3):
+                return None
+            pos, alignment = 24, 32
+
+            def string(pos: int) -> tuple[bytes, int]:
+                (n,) = struct.unpack_from("<Q", m, pos)
+                return m[pos + 8:pos + 8 + n], pos + 8 + n
+
+            def skip(vtype: int, pos: int) -> int:
+                if vtype in _SCALAR_BYTES:
+                    return pos + _SCALAR_BYTES[vtype]
+                if vtype == 8:
+                    return string(pos)[1]
+                if vtype != 9:
+                    raise ValueError(vtype)
+                etype, count = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if etype in _SCALAR_BYTES:
+                    return pos + count * _SCALAR_BYTES[etype]
+                for _ in range(count):
+                    pos = skip(etype, pos)
+                return pos
+
+            for _ in range(n_kv):
+                key, pos = string(pos)
+                (vtype,) = struct.unpack_from("<I", m, pos)
+                if key == b"general.alignment" and vtype == 4:
+                    (alignment,) = struct.unpack_from("<I", m, pos + 4)
+                pos = skip(vtype, pos + 4)
+            end = 0
+            for _ in range(n_tensors):
+                _, pos = string(pos)
+                (n_dims,) = struct.unpack_from("<I", m, pos)
+                dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
+                ttype, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
+                pos += 4 + 8 * n_dims + 12
+                block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+                end = max(end, offset + int(np.prod(dims, dtype=np.int64)) // block * type_bytes)
+        except (struct.error, ValueError, KeyError, IndexError, OverflowError):
+            return None
+        return -(-pos // alignment) * alignment + end
+
+
 def is_gguf(path: str) -> bool:
     """True when `path` is a regular file starting with the GGUF magic bytes."""
     try:
@@ -95,11 +177,16 @@ class GGUFReader:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        gguf = _gguf()
+        _gguf()
         if not is_gguf(self.path):
             raise GGUFError(f"{self.path}: not a GGUF file (it does not start with 'GGUF')")
+        need, size = _bytes_needed(self.path), os.path.getsize(self.path)
+        if need is not None and size < need:
+            raise GGUFError(f"{self.path}: cannot be read as GGUF (the file is {size} bytes, its "
+                            f"tensors end at byte {need}); truncated or damaged? download it "
+                            f"again")
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
+            self._reader = _parse(self.path)
         except Exception as e:  # noqa: BLE001 - the package raises ValueError/struct/IndexError alike
             raise GGUFError(f"{self.path}: cannot be read as GGUF ({str(e)[:200]}); truncated or "
                             f"damaged? download it again") from None
