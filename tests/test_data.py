@@ -152,7 +152,7 @@ def test_tokenizing_streams_in_bounded_memory(tmp_path):
         "s = tokenize_to_disk(sys.argv[1], ByteTokenizer(), sys.argv[2])\n"
         "print(s.num_tokens, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
     rss = {}
-    for n in (10_000, 50_000):
+    for n in (5_000, 25_000):
         p = tmp_path / f"c{n}.jsonl"
         with open(p, "w") as f:
             for i in range(n):
@@ -160,8 +160,8 @@ def test_tokenizing_streams_in_bounded_memory(tmp_path):
         out = subprocess.run([sys.executable, "-c", script, str(p), str(tmp_path / f"t{n}")],
                              capture_output=True, text=True, check=True).stdout.split()
         rss[n] = (int(out[0]), int(out[1]) * 1024)
-    (small_tokens, small_rss), (big_tokens, big_rss) = rss[10_000], rss[50_000]
-    assert big_tokens > 4.5 * small_tokens  # ~11 M tokens: 33 bytes/token would be 0.36 GB
+    (small_tokens, small_rss), (big_tokens, big_rss) = rss[5_000], rss[25_000]
+    assert big_tokens > 4.5 * small_tokens  # ~5.5 M tokens: 33 bytes/token would be 0.18 GB
     assert big_rss < small_rss + 64 * 2**20, (small_rss, big_rss)
 
 

@@ -77,8 +77,9 @@ def _gguf():
 # for a 49K-token vocabulary on this project's CPU, paid again by each open of the same file in
 # one process (a conversion, then the quantized blocks taken from it, then the tokenizer files).
 # The parsed readers of the last few files are kept, keyed by the file's identity; a file that
-# changed (size, mtime, ctime, inode) is parsed again. They map the file read-only.
-_PARSED_KEEP = 2
+# changed (size, mtime, ctime, inode) is parsed again. They map the file read-only; a parsed
+# vocabulary takes tens of MB, and a runner opens one file.
+_PARSED_KEEP = 4
 _parsed: dict[tuple, Any] = {}
 _parsed_lock = threading.Lock()
 
