@@ -348,12 +348,15 @@ class Engine:
         self._pending = StepReport()
         before = self._link_mark  # bytes moved since the last update (backward's d2h included)
         rep.grad_wait_s = self.grads.wait()
+        t0 = time.perf_counter()
         self.grads.finish_window()
+        if self.grads.sharded:  # stage 2-3: waiting for the window's last reductions
+            rep.comm_wait_s += time.perf_counter() - t0
         self._next_missing = self.grads.missing()
         if self.zero is not None:  # average the gradients across ranks before anything reads them
             self._next_missing = self.zero.agree_missing(
                 self.param_names, self._next_missing, self._block_of)
-            if self.reducer is not None:  # stage 2 reduced each block during backward
+            if self.reducer is not None:  # stages 0-1: the blocks not reduced during backward
                 rep.comm_wait_s += self.reducer.finish()
         applied = self.path.step(rep)
         # every rank's new shard to every rank (a delayed update's when it goes live)
