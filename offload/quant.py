@@ -40,11 +40,12 @@ ms for the 1B Llama shapes 2048x2048 / 8192x2048 / 2048x8192, cold weights):
   is (q - 8) * scale + zero with bf16 scale and zero (zero = min + 8 scale): not our values
   exactly either. Measured by the benchmark, not used here.
 - "dense": F.linear(x, dequantize(...)), the reference; 2.5-9x slower (a fresh fp32 copy of W).
-- "c": for 1-16 rows on the CPU, a C loop that reads each code byte once and multiplies it into
+- "c": for 1-64 rows on the CPU, a C loop that reads each code byte once and multiplies it into
   up to 8 rows at a time (offload/quant_cpu.py): the decode case, where the chunked kernel's
   passes over every element cost more than the dense product does (int4/g64, 2 threads: 1 row
   3.2-3.3 ms vs 17-19 chunked and 4.4-4.6 dense fp32; 8 rows 5.8-5.9 vs 28-32 and 13-18, for
-  the 1B shapes). Taken whenever it applies and was built.
+  the 1B shapes). Taken whenever it applies and was built; from 9 rows to 64 its register-
+  blocked loop, timed against the chunked kernel per shape (below).
 $OFFLOAD_QUANT_KERNEL=dense|chunked|fused|c forces a kernel (fused and c only where they apply).
 """
 
@@ -260,11 +261,12 @@ def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor,
     return "chunked"
 
 
-# At 1-8 rows the C loop won on every shape measured; at 9-16 it depends on the shape: on
-# 2048x8192 the chunked kernel won at 16 rows for int8 and int4/g32 in one run (its 8192-wide
-# rows make the second 8-row tile re-read x from beyond L1; docs/BENCHMARKS.md), and at 17-32
-# (quant_cpu.ROWS_MEASURED_MAX) the chunked kernel is the default. So from 9 rows on both are
-# timed on the weight itself, the first time a shape meets a row count, and the faster is kept.
+# At 1-8 rows the C loop won on every shape measured. From 9 rows it runs its register-blocked
+# loop, which on the 1B shapes at 16-64 rows was faster than the chunked kernel with idle
+# OpenMP threads asleep (as runners/infer.py sets them) and slower beside spinning ones, where
+# the chunked kernel's BLAS call holds both cores (docs/BENCHMARKS.md). So from 9 rows on both
+# are timed on the weight itself, the first time a shape meets a row count, and the faster is
+# kept (up to quant_cpu.ROWS_MEASURED_MAX rows; beyond, the chunked kernel).
 C_MEASURED_FROM_ROWS = 9
 C_PROBE_BYTES = 16 << 20  # packed weight bytes (its first rows) a timed call reads at most
 C_PROBE_REPEATS = 3  # timed calls of each kernel, alternating, after one untimed; fastest kept

@@ -5,15 +5,19 @@ Why: decode multiplies 1-16 rows by every weight, so the time is reading the wei
 only dequantize into a float buffer and multiply there -- several passes over each element --
 which made batch-1 int4 decode 2.3x slower than dense fp32 on this project's 2-core AMD EPYC.
 The C loop widens one group's codes (scale and min applied) into L1 and multiplies them into up
-to 8 rows at once, register-tiled; more rows go in tiles of 8 over blocks of 64 output rows.
-Measured (8192x2048 and 2048x8192, medians, caches flushed between calls, 2 threads; the
-scales passed as their fp16 bits -- converting them with torch first cost more than the
-product): int4/g64 3.2-3.3 ms at 1 row, 5.8-5.9 at 8, 12.2-12.3 at 16, against dense fp32
-4.4-4.6 / 12.8-17.5 / 11.6-32.9 and the torch chunked kernel 17-19 / 28-32 / 27-37; int8 per
-channel 2.2-3.3 / 5.8-9.6 / 10.6-12.9. At 32 rows dense fp32 and the chunked GEMM catch up
-(2048x8192: 22 vs 15 / 27 ms), hence ROWS_MAX = 16. From 9 rows on, quant.kernel_for times
-this loop against the chunked kernel on the weight, once per shape (one run beside a test job
-saw the chunked kernel win at 16 rows on 2048x8192; quiet, this loop won: docs/BENCHMARKS.md).
+to 8 rows at once, register-tiled. Measured (8192x2048 and 2048x8192, medians, caches flushed
+between calls, 2 threads; the scales passed as their fp16 bits -- converting them with torch
+first cost more than the product): int4/g64 3.2-3.3 ms at 1 row, 5.8-5.9 at 8, 12.2-12.3 at 16,
+against dense fp32 4.4-4.6 / 12.8-17.5 / 11.6-32.9 and the torch chunked kernel 17-19 / 28-32 /
+27-37; int8 per channel 2.2-3.3 / 5.8-9.6 / 10.6-12.9.
+
+From 9 rows (BLOCKED_ROWS_MIN) to 64 (ROWS_MEASURED_MAX) a register-blocked loop takes over
+(quant_gemv.c rows_blocked): 6 output rows widened once for all x rows, 6 x 2 tiles of fused
+multiply-adds, x packed here 8 columns at a time (`_pack_x`). The 8-row tiles re-read x from L2
+for every output row and widen the weight once per 8 rows; at 32-64 rows on the 1B shapes the
+blocked loop is 1.4-2.9x faster than them, 0.7-1.2x the time of the dense fp32 product (docs/
+BENCHMARKS.md). From 9 rows on, quant.kernel_for still times this library against the chunked
+kernel on the weight, once per shape, and keeps the faster.
 
 Built with -O3 and reassociated sums (vectorised; not -ffast-math, see _FLAGS): results equal x @ dequantize(W)^T
 to float rounding (checked against torch when the library is loaded) and do not depend on how
@@ -34,9 +38,11 @@ from offload import cbuild
 
 ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes unmeasured (module docstring)
 # beyond ROWS_MAX, up to this many rows, only where quant.kernel_for measured it faster than the
-# chunked kernel on the weight itself (the loop takes any rows, in tiles of 8: at 32 rows in
-# decode the chunked kernel ran int4 at half the dense speed, docs/BENCHMARKS.md)
-ROWS_MEASURED_MAX = 32
+# chunked kernel on the weight itself; the blocked loop's limit (BLOCKED_ROWS_MAX in the C file)
+ROWS_MEASURED_MAX = 64
+# from this many rows the register-blocked loop, where the group is a multiple of 8 columns (at
+# 8 rows the 8-row tile still won on the 1B shapes, at 12 and 16 the blocked loop: BENCHMARKS)
+BLOCKED_ROWS_MIN = 9
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemv.c"
 # Reassociated sums (vectorised), and nothing of -ffast-math beyond that: GCC links a -ffast-math
 # shared object with crtfastmath.o, whose constructor turns on flush-to-zero and
@@ -52,25 +58,30 @@ _pool_threads = 0
 
 
 class _Lib:
+    """The four entry points: int8 (4 pointers) and int4 (5: + mins), each as the 8-row tiles
+    and as the blocked loop, then rows, out, padded in, group, o_begin, o_end."""
+
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        self.q8 = lib.offload_q8_rows
-        self.q8.argtypes = [p, p, p, p, i, i, i, i, i, i]
-        self.q8.restype = ctypes.c_int
-        self.q4 = lib.offload_q4_rows
-        self.q4.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
-        self.q4.restype = ctypes.c_int
+
+        def bind(name: str, pointers: int):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 6
+            fn.restype = ctypes.c_int
+            return fn
+        self.q8, self.q4 = bind("offload_q8_rows", 4), bind("offload_q4_rows", 5)
+        self.q8b, self.q4b = bind("offload_q8_rows_blocked", 4), bind("offload_q4_rows_blocked", 5)
 
 
 def _self_check(lib: _Lib) -> str | None:
     from offload.quant import QuantSpec, dequantize, quantize
     gen = torch.Generator().manual_seed(7)
+    # the last two span several of the blocked loop's 512-column pieces
     for spec, in_f in ((QuantSpec(8, 0), 96), (QuantSpec(8, 32), 100), (QuantSpec(4, 64), 150),
-                       (QuantSpec(4, 32), 96)):
+                       (QuantSpec(4, 32), 96), (QuantSpec(8, 0), 1040), (QuantSpec(4, 32), 1040)):
         w = torch.randn(37, in_f, generator=gen)
         parts = quantize(w, spec)
-        for rows in (1, 3, 11):  # one row, one tile, two tiles
+        for rows in (1, 3, 11):  # one row, one 8-row tile, the blocked loop
             x = torch.randn(rows, in_f, generator=gen)
             want = x.double() @ dequantize(parts, spec, in_f, torch.float64).T
             got = _run(lib, x, parts, spec, in_f, threads=2)
@@ -124,12 +135,26 @@ def rows_product(x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_fea
     return _run(lib, x2d, parts, spec, in_features, threads=torch.get_num_threads())
 
 
+TILE_X_ROWS = 2  # RB in quant_gemv.c: x rows per register tile of the blocked loop
+
+
+def _pack_x(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, p] -> [tiles, p / 8, RB, 8]: the blocked kernel's x layout (rows past `rows` 0)."""
+    rows, p = x.shape
+    tiles = -(-rows // TILE_X_ROWS)
+    if tiles * TILE_X_ROWS > rows:
+        x = F.pad(x, (0, 0, 0, tiles * TILE_X_ROWS - rows))
+    return x.reshape(tiles, TILE_X_ROWS, p // 8, 8).transpose(1, 2).contiguous()
+
+
 def _run(lib: _Lib, x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_features: int,
-         threads: int) -> torch.Tensor:
+         threads: int, blocked: bool | None = None) -> torch.Tensor:
     qw = parts["qweight"].contiguous()
     out_f, rows = qw.shape[0], x2d.shape[0]
     ng, p = spec.groups(in_features), spec.padded_in(in_features)
     g = p // ng
+    if blocked is None:  # (tests pass it to compare the two loops)
+        blocked = BLOCKED_ROWS_MIN <= rows <= ROWS_MEASURED_MAX and g % 8 == 0
     x = x2d.float()
     xp = F.pad(x, (0, p - in_features)) if p > in_features else x  # [rows, p], zeros in the pad
     # [out, groups] fp16, passed as stored: the kernel widens one per group (torch's
@@ -138,18 +163,21 @@ def _run(lib: _Lib, x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_
     y = torch.empty(rows, out_f, dtype=torch.float32)  # [rows, out]
     if spec.bits == 4:
         xg = xp.reshape(rows, ng, g)
-        xin = torch.cat((xg[..., 0::2], xg[..., 1::2]), -1).contiguous()  # per group [even | odd]
+        xin = torch.cat((xg[..., 0::2], xg[..., 1::2]), -1).reshape(rows, p)  # per group [even | odd]
+        xin = _pack_x(xin) if blocked else xin.contiguous()
         mins = parts["mins"].contiguous()
+        fn = lib.q4b if blocked else lib.q4
 
         def part(a: int, b: int) -> int:
-            return lib.q4(qw.data_ptr(), scales.data_ptr(), mins.data_ptr(), xin.data_ptr(),
-                          y.data_ptr(), rows, out_f, p, g, a, b)
+            return fn(qw.data_ptr(), scales.data_ptr(), mins.data_ptr(), xin.data_ptr(),
+                      y.data_ptr(), rows, out_f, p, g, a, b)
     else:
-        xin = xp.contiguous()
+        xin = _pack_x(xp) if blocked else xp.contiguous()
+        fn = lib.q8b if blocked else lib.q8
 
         def part(a: int, b: int) -> int:
-            return lib.q8(qw.data_ptr(), scales.data_ptr(), xin.data_ptr(), y.data_ptr(), rows,
-                          out_f, p, g, a, b)
+            return fn(qw.data_ptr(), scales.data_ptr(), xin.data_ptr(), y.data_ptr(), rows,
+                      out_f, p, g, a, b)
     n = max(1, min(threads, out_f // 256 or 1))  # small weights: the hand-off costs more
     step = -(-out_f // n)
     bounds = [(a, min(a + step, out_f)) for a in range(0, out_f, step)]

@@ -7,10 +7,14 @@ decode step: the weight comes from memory, the kernel's scratch stays warm); med
 --repeats rounds. Kernels:
   dense32 / dense16   F.linear(x, W) with the dense weight in fp32 / bf16 (x cast to match, so
                       dense16 answers in bf16): the baselines quantized decode is held to
+  dense32T            (W @ x^T)^T, fp32: the transposed form models/kernels.py measures and
+                      picks for 2-32 rows where this BLAS runs it faster
   <spec> deq          (a) F.linear(x, dequantize(parts)): a full dense fp32 copy every call
   <spec> chunk        (b) quant_linear's chunked kernel (dequantize a few MB of rows, multiply)
   <spec> fused        (c) torch.ops.aten._weight_int8pack_mm (per-channel int8; bf16 x only:
                       its fp32 path is scalar, see --fused-fp32)
+  <spec> c            offload/quant_cpu.py's C loop (1-64 rows; from 9 its register-blocked loop)
+  <spec> c8           the same library's 8-row tiles, for 9+ rows (what the blocked loop replaced)
   int4 pack+mm        (c) torch.ops.aten._weight_int4pack_mm_for_cpu, bf16 x, our packed rows
                       converted (_convert_weight_to_int4pack_for_cpu) in every call
   int4 prepacked      the same product with the conversion done once beforehand
@@ -123,7 +127,9 @@ def run_case(out_f: int, in_f: int, rows: int, act: torch.dtype, repeats: int, c
     x = torch.randn(rows, in_f).to(act)
     w32 = rotating(w.clone, w.numel() * 4)
     w16 = rotating(w.bfloat16, w.numel() * 2)
-    fns: dict[str, Callable] = {"dense32": lambda: F.linear(x.float(), w32()), "dense16": lambda: F.linear(x.bfloat16(), w16())}
+    fns: dict[str, Callable] = {"dense32": lambda: F.linear(x.float(), w32()), "dense16": lambda: F.linear(x.bfloat16(), w16()),
+                                # (W @ x^T)^T: what models/kernels.py picks for 2-32 rows where faster
+                                "dense32T": lambda: (w32() @ x.float().reshape(-1, in_f).T).T}
     refs: dict[str, torch.Tensor] = {}
     picks: dict[str, str] = {}
     for label, spec in specs.items():
@@ -147,6 +153,10 @@ def run_case(out_f: int, in_f: int, rows: int, act: torch.dtype, repeats: int, c
         if quant_cpu.applies(spec, in_f, x.reshape(-1, in_f)):  # the C few-row loop
             fns[f"{label} c"] = lambda c=cold, s=spec: quant_linear(x, c(), s, in_f, kernel="c")
             refs[f"{label} c"] = deq
+            if x.reshape(-1, in_f).shape[0] >= quant_cpu.BLOCKED_ROWS_MIN:  # c runs its blocked loop
+                fns[f"{label} c8"] = lambda c=cold, s=spec: quant_cpu._run(  # ...against its 8-row tiles
+                    quant_cpu.library(), x.reshape(-1, in_f), c(), s, in_f, torch.get_num_threads(), blocked=False)
+                refs[f"{label} c8"] = deq
         if spec.bits == 4:
             for name, f in int4pack_fns(parts, spec, in_f, x).items():
                 fns[name], refs[name] = f, deq

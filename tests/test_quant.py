@@ -297,7 +297,7 @@ def test_every_kernel_equals_x_times_dequantized_weight(spec, rows, dtype, monke
 
 @pytest.mark.skipif(quant_cpu.library() is None, reason="the C few-row kernel was not built here")
 def test_c_loop_or_chunked_is_measured_per_shape_from_nine_rows(monkeypatch):
-    """From 9 to 32 rows the C loop and the chunked kernel are timed on the weight once per shape
+    """From 9 to 64 rows the C loop and the chunked kernel are timed on the weight once per shape
     in inference and the faster is kept; fewer rows take the C loop unmeasured; the choice
     computes the same product."""
     monkeypatch.delenv("OFFLOAD_QUANT_KERNEL", raising=False)
@@ -395,6 +395,36 @@ def test_c_rows_kernel_split_over_threads(spec):
         assert err < 1e-5, (rows, err)
     x = torch.randn(quant_cpu.ROWS_MAX[spec.bits] + 1, in_f, generator=gen)
     assert kernel_for(spec, in_f, x) == "chunked"
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 64), QuantSpec(4, 128)],
+                         ids=lambda sp: f"int{sp.bits}g{sp.group_size}")
+def test_c_blocked_loop_many_rows(spec):
+    """From 9 to 64 rows the register-blocked C loop (quant_gemv.c rows_blocked): rows that
+    are not a multiple of its 2-row tiles, output rows not a multiple of its 6-row blocks, a row
+    in several 512-column pieces (a per-channel int8 row in slices of one group) -- equal to x @
+    dequantize(W)^T to float rounding, to the 8-row tiles within it, and the same bits however
+    many threads share the output rows."""
+    if quant_cpu.library() is None:
+        pytest.skip(f"C kernel unavailable: {quant_cpu.status()}")
+    lib = quant_cpu.library()
+    gen = torch.Generator().manual_seed(100 + spec.bits + spec.group_size)
+    out_f, in_f = 611, 1104  # 1104 = 2 x 512 + 80: three pieces; 611 = 101 x 6 + 5
+    parts = quantize(torch.randn(out_f, in_f, generator=gen), spec)
+    deq = dequantize(parts, spec, in_f, torch.float64)
+    for rows in (9, 10, 17, 32, 33, 64):
+        x = torch.randn(rows, in_f, generator=gen)
+        assert quant_cpu.applies(spec, in_f, x)
+        ref = x.double() @ deq.T
+        bound = x.double().abs() @ deq.abs().T
+        one = quant_cpu._run(lib, x, parts, spec, in_f, threads=1)
+        two = quant_cpu._run(lib, x, parts, spec, in_f, threads=2)
+        tiles = quant_cpu._run(lib, x, parts, spec, in_f, threads=2, blocked=False)
+        assert torch.equal(one, two), rows
+        for name, y in (("blocked", two), ("tiles", tiles)):
+            err = ((y.double() - ref).abs() / bound).max().item()
+            assert err < 1e-5, (name, rows, err)
+    assert not quant_cpu.applies(spec, in_f, torch.randn(quant_cpu.ROWS_MEASURED_MAX + 1, in_f))
 
 
 def test_loading_the_kernels_keeps_subnormals():
