@@ -353,13 +353,18 @@ def chunk_rows(out_features: int, in_features: int, spec: QuantSpec, rows: int, 
 def workspace_bytes(out_features: int, in_features: int, spec: QuantSpec, rows: int,
                     device: torch.device, dtype: torch.dtype) -> int:
     """Transient bytes quant_linear allocates beyond x and its result (for the planner): the
-    chunk, the int4 nibble scratch, padded/permuted x and the transposed output."""
+    chunk, the int4 nibble scratch, padded/permuted x and the transposed output -- or, where
+    the C loop may run instead, its copies of x (fp32, padded, permuted, packed) and output."""
     cdt = torch.float32 if device.type == "cpu" else dtype
     size = torch.finfo(cdt).bits // 8
     p = spec.padded_in(in_features)
     c = chunk_rows(out_features, in_features, spec, rows, device, cdt)
     nibbles = c * p if spec.bits == 4 else 0
-    return c * p * size + nibbles + 2 * rows * p * size + 2 * rows * out_features * size
+    chunked = c * p * size + nibbles + 2 * rows * p * size + 2 * rows * out_features * size
+    if device.type != "cpu" or rows > quant_cpu.ROWS_MEASURED_MAX:
+        return chunked
+    padded_rows = -(-rows // quant_cpu.TILE_X_ROWS) * quant_cpu.TILE_X_ROWS
+    return max(chunked, 4 * padded_rows * p * 4 + rows * out_features * 4)
 
 
 def _chunked(x2d: torch.Tensor, qw: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None,
