@@ -136,6 +136,7 @@ def rows_product(x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_fea
 
 
 TILE_X_ROWS = 2  # RB in quant_gemv.c: x rows per register tile of the blocked loop
+TILE_OUT_ROWS = 6  # OB there: output rows widened per block
 
 
 def _pack_x(x: torch.Tensor) -> torch.Tensor:
@@ -180,6 +181,8 @@ def _run(lib: _Lib, x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_
                       out_f, p, g, a, b)
     n = max(1, min(threads, out_f // 256 or 1))  # small weights: the hand-off costs more
     step = -(-out_f // n)
+    if blocked:  # whole blocks of output rows per thread: a part's last block is a slower edge
+        step = -(-step // TILE_OUT_ROWS) * TILE_OUT_ROWS
     bounds = [(a, min(a + step, out_f)) for a in range(0, out_f, step)]
     futures = [helper_pool(n).submit(part, a, b) for a, b in bounds[1:]] if n > 1 else []
     rcs = [part(*bounds[0])] + [f.result() for f in futures]

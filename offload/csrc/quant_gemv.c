@@ -217,7 +217,7 @@ static int rows_product(int bits, const uint8_t *q, const uint16_t *scales, cons
  * the broadcast form (x transposed, each weight element broadcast against 8 rows at once) was
  * 1.2-1.3x slower. */
 #define KC 512  /* columns per piece (whole groups; int8 slices wider groups) */
-#define OB 6    /* output rows per block */
+#define OB 6    /* output rows per block (quant_cpu.TILE_OUT_ROWS) */
 #define RB 2    /* x rows per tile (quant_cpu.TILE_X_ROWS) */
 #define BLOCKED_ROWS_MAX 64  /* quant_cpu.ROWS_MEASURED_MAX */
 
