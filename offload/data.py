@@ -484,9 +484,25 @@ class BatchOrder:
         return torch.cat(out)
 
 
-def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the target tokens that count. logits [B, T, V], targets [B, T]."""
+def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                   tokens: float | None = None) -> torch.Tensor:
+    """Mean cross-entropy over the target tokens that count. logits [B, T, V], targets [B, T].
+    With `tokens`, their sum over `tokens` instead: a micro-batch's share of an update whose
+    micro-batches (and ranks) hold different numbers of target tokens -- see
+    `update_token_divisor`."""
     ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                            targets.reshape(-1), reduction="none")
     m = mask.reshape(-1).to(ce.dtype)
-    return (ce * m).sum() / m.sum().clamp_min(1.0)
+    return (ce * m).sum() / (m.sum().clamp_min(1.0) if tokens is None else tokens)
+
+
+def update_token_divisor(update_tokens: float, micro_batches: int) -> float:
+    """What each micro-batch's summed loss is divided by so that the update's gradient is that
+    of the mean over *all* its target tokens (every micro-batch, every rank), as transformers'
+    Trainer does since 4.46 (num_items_in_batch): the engine divides each micro-batch's loss by
+    the micro-batches per update and averages over ranks, so this is the update's target tokens
+    over `micro_batches` (per rank x ranks). A micro-batch with few target tokens (a chat
+    turn's short answer) then weighs as little as it counts, instead of as much as one with
+    many. When every micro-batch holds the same number (packed text) this is exactly that
+    number, and the loss is the plain per-micro-batch mean, to the bit."""
+    return max(update_tokens, 1.0) / micro_batches

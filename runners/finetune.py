@@ -363,18 +363,24 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
 def _one_update(args, engine, model, data, order, micro: int, device, cfg,
                 ranks: Ranks) -> tuple[float, float]:
     """One optimizer update over batch_size sequences (this rank's share of them) in
-    micro-batches: (summed micro-batch losses, averaged over ranks; seconds)."""
-    from offload.data import masked_lm_loss
+    micro-batches: (summed micro-batch losses, averaged over ranks; seconds). The update's loss
+    is the mean over all its target tokens, whichever micro-batch and rank holds them
+    (offload/data.py update_token_divisor)."""
+    from offload.data import masked_lm_loss, update_token_divisor
 
     engine.set_lr(lr_at(engine.global_step, cfg.lr, args.warmup_steps, args.steps,
                         args.min_lr_ratio))
     t0 = time.perf_counter()
     batch = ranks.rows(order.take(args.batch_size))  # every rank takes the same global batch
+    parts = [data.batch(batch[i:i + micro]) for i in range(0, len(batch), micro)]
+    # target tokens of the whole update, over ranks (counted on the host: no device sync)
+    tokens = ranks.total(float(sum(int(p.mask.sum()) for p in parts)))
+    divisor = update_token_divisor(tokens, len(parts) * ranks.world)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for i in range(0, len(batch), micro):
-        rows = data.batch(batch[i:i + micro]).to(device)
+    for part in parts:
+        rows = part.to(device)
         logits = model(rows.ids[:, :-1], **rows.model_inputs())
-        loss = masked_lm_loss(logits, rows.ids[:, 1:], rows.mask)
+        loss = masked_lm_loss(logits, rows.ids[:, 1:], rows.mask, divisor)
         engine.backward(loss)
         engine.step()
         # summed on the device, read once per update: .item() per micro-batch would make

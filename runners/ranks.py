@@ -80,6 +80,15 @@ class Ranks:
         dist.all_reduce(out)
         return out / self.world
 
+    def total(self, value: float) -> float:
+        """The sum of a number over ranks (one small all-reduce, float64: token counts)."""
+        if not self.many:
+            return value
+        import torch.distributed as dist
+        out = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(out)
+        return float(out.item())
+
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (small, picklable), on every rank."""
         if not self.many:
