@@ -503,6 +503,7 @@ def update_token_divisor(update_tokens: float, micro_batches: int) -> float:
     the micro-batches per update and averages over ranks, so this is the update's target tokens
     over `micro_batches` (per rank x ranks). A micro-batch with few target tokens (a chat
     turn's short answer) then weighs as little as it counts, instead of as much as one with
-    many. When every micro-batch holds the same number (packed text) this is exactly that
-    number, and the loss is the plain per-micro-batch mean, to the bit."""
+    many. When every micro-batch holds the same number this is exactly that number, and the
+    loss is the plain per-micro-batch mean, to the bit (packed text comes close: only a
+    document boundary inside a row drops a target)."""
     return max(update_tokens, 1.0) / micro_batches
