@@ -364,7 +364,7 @@ def workspace_bytes(out_features: int, in_features: int, spec: QuantSpec, rows: 
     if device.type != "cpu" or rows > quant_cpu.ROWS_MEASURED_MAX:
         return chunked
     padded_rows = -(-rows // quant_cpu.TILE_X_ROWS) * quant_cpu.TILE_X_ROWS
-    return max(chunked, 4 * padded_rows * p * 4 + rows * out_features * 4)
+    return max(chunked, 4 * padded_rows * p * size + rows * out_features * size)  # size: fp32 here
 
 
 def _chunked(x2d: torch.Tensor, qw: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None,
