@@ -7,9 +7,11 @@ of a torch C++ extension: no torch headers, no ninja, a build of about a second,
 -march=native binaries) the CPU's model and feature flags -- so a different machine sharing the
 cache rebuilds instead of loading code its CPU cannot run. ctypes drops the GIL for a call.
 
-`build` tries each set of architecture flags in order; the first that compiles and passes the
-caller's self-check (run on the loaded library against a torch reference) wins. A library that
-fails its self-check is never used.
+`build` tries each set of architecture flags in order; the first that compiles, passes the
+caller's `verify` (its self-check run in a child process, offload/kernel_trust.py: a -march=native
+binary that dies of an illegal instruction or a segfault there costs the caller nothing) and then
+its self-check in this process (against a torch reference) wins. A library that fails either is
+never used; the next set of flags (down to none: portable code) is tried.
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ def compile_c(compiler: str, source: Path, flags: list[str], out_path: Path) -> 
 
 def build(name: str, source: Path, base_flags: list[str], bind: Callable[[Path], T],
           self_check: Callable[[T], str | None], arch_flag_sets: list[list[str]] | None = None,
-          cache: Path | None = None) -> tuple[T | None, str]:
-    """Compile `source` (or reuse the cached .so), bind it, self-check it: (bound, why)."""
+          cache: Path | None = None,
+          verify: Callable[[Path], str | None] | None = None) -> tuple[T | None, str]:
+    """Compile `source` (or reuse the cached .so), `verify` the file (None: passed; else why
+    not) before this process loads it, bind it, self-check it: (bound, why)."""
     compiler = find_compiler()
     if compiler is None:
         return None, "no C compiler (cc/gcc/clang or $CC) on PATH"
@@ -105,14 +109,16 @@ def build(name: str, source: Path, base_flags: list[str], bind: Callable[[Path],
              cpu_identity().encode(), sys.platform.encode()])).hexdigest()[:20]
         path = cache / f"{name}-{key}.so"
         try:
-            if path.exists():
-                try:
-                    candidate = bind(path)
-                except OSError:      # unreadable leftover: rebuild it once
-                    path.unlink()
-                    compile_c(compiler, source, base_flags + arch, path)
-                    candidate = bind(path)
-            else:
+            if not path.exists():
+                compile_c(compiler, source, base_flags + arch, path)
+            problem = verify(path) if verify is not None else None
+            if problem is not None:
+                why = f"{path}: {problem}"
+                continue
+            try:
+                candidate = bind(path)
+            except OSError:      # unreadable leftover: rebuild it once
+                path.unlink()
                 compile_c(compiler, source, base_flags + arch, path)
                 candidate = bind(path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

@@ -54,7 +54,7 @@ from typing import Literal
 
 import torch
 
-from offload import cbuild
+from offload import cbuild, kernel_trust
 from offload.cbuild import find_compiler
 
 __all__ = ["cpu_adamw_step", "adamw_coefficients", "AdamWCoefficients", "kernel_available",
@@ -182,7 +182,16 @@ def _build_kernel(arch_flag_sets: list[list[str]] | None = None,
                   cache: Path | None = None) -> tuple[object | None, str]:
     """Compile (or reuse from the on-disk cache) and self-check the kernel: (ctypes fn, why).
     The arguments exist for tests (e.g. to build the portable, no-arch-flags variant)."""
-    return cbuild.build("cpu_adamw", _SOURCE, _BASE_CFLAGS, _bind, _self_check, arch_flag_sets, cache)
+    return cbuild.build("cpu_adamw", _SOURCE, _BASE_CFLAGS, _bind, _self_check, arch_flag_sets, cache,
+                        verify=lambda path: kernel_trust.check(LIBRARY_PROBE, [(str(path),)])[(str(path),)])
+
+
+LIBRARY_PROBE = "offload.optim:check_library"  # the self-check, run in a child first
+
+
+def check_library(case: tuple[str]) -> str | None:
+    """kernel_trust's probe: load the built library at `case[0]` and self-check it (a child)."""
+    return _self_check(_bind(Path(case[0])))
 
 
 def _load_kernel():

@@ -31,9 +31,12 @@ ms for the 1B Llama shapes 2048x2048 / 8192x2048 / 2048x8192, cold weights):
 - "fused": torch's `_weight_int8pack_mm` reads the int8 weight itself: per-channel int8, and fast
   only with bf16 x (its fp32 and fp16 paths are scalar, 13.6 ms at 1 row). bf16 x, 1 row:
   0.66/2.05/1.69 vs dense bf16 0.83/2.66/2.93 and chunked 2.07/6.23/6.62; it grows linearly
-  with rows and is slower than chunked beyond ~16 (FUSED_ROWS_MAX). Its bf16 scales (rounded
-  from our fp16 ones) and bf16 output keep it within bf16 rounding of x @ W^T, not bit-equal.
-  It segfaults unless in_features % 8 == 0 (torch 2.13): other widths run chunked.
+  with rows and is slower than chunked beyond ~16 (FUSED_ROWS_MAX). It is given unit scales
+  and ours multiply its bf16 output in fp32 (our fp16 scales rounded to bf16 would move each
+  channel's weights by up to 2^-9): within bf16 rounding of x @ W^T, not bit-equal.
+  It segfaults unless in_features % 8 == 0 (torch 2.13, AVX2), and on AVX-512 it is wrong or
+  segfaults for every in_features % 16 == 8 as well: it runs only for (in, out) shapes that
+  passed FUSED_PROBE on this machine, in a child process (offload/kernel_trust.py).
 - torch's `_weight_int4pack_mm_for_cpu` with bf16 x is as fast (0.45/1.60/1.73 at 1 row) but
   takes a CPU-specific blocked layout: converting our rows costs 14-80 ms per call, so it pays
   only for weights converted once and kept, which streamed weights are not. Its dequantization
@@ -60,7 +63,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from offload import quant_cpu
+from offload import kernel_trust, quant_cpu
 
 FUSED_ROWS_MAX = 16  # fused vs chunked, bf16 x, 1B shapes: 16 rows 2.7/10.6/9.0 vs 3.5/12.6/11.0 ms; 32: slower
 CPU_CHUNK_BYTES = 4 << 20  # float32 chunk, <= MANY_ROWS rows: 1 row 1.5x faster than 1 or 16 MiB
@@ -234,24 +237,72 @@ def _override() -> str | None:
     return value
 
 
-def fused_applies(spec: QuantSpec, in_features: int, x2d: torch.Tensor) -> bool:
-    """torch's int8pack kernel computes this product: per-channel int8, bf16 x on the CPU, and
-    in_features % 8 == 0 (other widths crash it)."""
+FUSED_PROBE = "offload.quant:check_int8pack"  # kernel_trust's check of the fused kernel
+
+
+def fused_applies(spec: QuantSpec, in_features: int, x2d: torch.Tensor, out_features: int) -> bool:
+    """torch's int8pack kernel computes this product: per-channel int8, bf16 x on the CPU, at most
+    FUSED_ROWS_MAX rows, in_features % 8 == 0 (other widths crash it on every CPU measured), and
+    the weight's (in, out) shape passed check_int8pack on this machine."""
     return (x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 and spec.bits == 8
-            and spec.groups(in_features) == 1 and in_features % 8 == 0)
+            and spec.groups(in_features) == 1 and in_features % 8 == 0
+            and x2d.shape[0] <= FUSED_ROWS_MAX
+            and kernel_trust.trusted(FUSED_PROBE, (in_features, out_features)))
+
+
+def check_kernels(weights, x_dtype: torch.dtype, device: torch.device | str) -> None:
+    """Check, in one child process, every (in, out) shape of `weights` [(spec, in_features,
+    out_features)] the fused kernel could take with x in `x_dtype` on `device` (a model's load
+    calls this: its first token then waits for no check). Results are kept (kernel_trust)."""
+    if torch.device(device).type != "cpu" or x_dtype != torch.bfloat16:
+        return
+    cases = {(i, o) for spec, i, o in weights if spec.bits == 8 and spec.groups(i) == 1 and i % 8 == 0}
+    if cases:
+        kernel_trust.check(FUSED_PROBE, sorted(cases))
+
+
+FUSED_PROBE_COLUMNS = 192  # output columns compared with float64 per row count: both edges + a stride
+
+
+def check_int8pack(case: tuple[int, int]) -> str | None:
+    """kernel_trust's probe (run in a child): `_weight_int8pack_mm` for a weight of
+    (in_features, out_features) = `case`, at every row count the fused kernel is given (1 to
+    FUSED_ROWS_MAX), against float64; None if every output compared is within bf16 rounding.
+    The kernel runs on the whole shape (its tails are where it broke), the reference on the
+    first and last FUSED_PROBE_COLUMNS / 3 output columns and a stride through the rest."""
+    in_f, out_f = case
+    gen = torch.Generator().manual_seed(in_f * 7919 + out_f)
+    w = torch.randint(-127, 128, (out_f, in_f), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_f, generator=gen) * 0.02 + 1e-3  # applied as quant_linear does
+    ones = torch.ones(out_f, dtype=torch.bfloat16)
+    edge = FUSED_PROBE_COLUMNS // 3
+    cols = torch.cat((torch.arange(min(edge, out_f)), torch.arange(max(0, out_f - edge), out_f),
+                      torch.linspace(0, out_f - 1, edge).long())).unique()
+    w_ref = w[cols].double() * scales[cols].double()[:, None]  # [cols, in]
+    for rows in range(1, FUSED_ROWS_MAX + 1):
+        x = torch.randn(rows, in_f, generator=gen).bfloat16()
+        y = torch.ops.aten._weight_int8pack_mm(x, w, ones).float() * scales
+        if y.shape != (rows, out_f):
+            return f"rows {rows}: output shape {tuple(y.shape)}, expected {(rows, out_f)}"
+        ref = x.double() @ w_ref.T
+        bound = x.double().abs() @ w_ref.abs().T
+        err = ((y[:, cols].double() - ref).abs() / bound.clamp_min(1e-30)).max().item()
+        if not err <= 2 ** -6:  # bf16 x, scales and output: a few 2^-8 roundings
+            return f"rows {rows}: relative error {err:.3g} against float64"
+    return None
 
 
 def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor,
                parts: dict[str, torch.Tensor] | None = None) -> str:
-    """The kernel quant_linear runs for x2d [rows, in]: fused where it applies and rows <=
-    FUSED_ROWS_MAX, the C loop where it applies, chunked otherwise (or what
+    """The kernel quant_linear runs for x2d [rows, in] and the weight's `parts`: fused where it
+    applies (which needs `parts`: its shape is checked), the C loop where it applies, chunked otherwise (or what
     $OFFLOAD_QUANT_KERNEL forces). From C_MEASURED_FROM_ROWS rows on, given the weight's
     `parts`, the C loop and the chunked kernel are timed on it once per shape (`_c_or_chunked`)."""
     forced = _override()
-    fused = fused_applies(spec, in_features, x2d)
+    fused = parts is not None and fused_applies(spec, in_features, x2d, parts["qweight"].shape[0])
     if forced == "dense":
         return "dense"
-    if forced == "fused" or (forced is None and fused and x2d.shape[0] <= FUSED_ROWS_MAX):
+    if forced == "fused" or (forced is None and fused):
         return "fused" if fused else "chunked"
     if forced in (None, "c") and quant_cpu.applies(spec, in_features, x2d):
         rows = x2d.shape[0]
@@ -404,6 +455,14 @@ def _chunked(x2d: torch.Tensor, qw: torch.Tensor, sc: torch.Tensor, mn: torch.Te
     return y_t.T
 
 
+_ran: dict[str, int] = {}  # kernel -> quant_linear calls it computed (the run's report)
+
+
+def kernels_run() -> dict[str, int]:
+    """{kernel: calls} of quant_linear in this process so far (the run's report says which ran)."""
+    return dict(_ran)
+
+
 def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
                  bias: torch.Tensor | None = None, *, kernel: str | None = None) -> torch.Tensor:
     """x [..., in] (float32 / bfloat16 / float16, CPU or CUDA) @ W^T (+ bias) -> [..., out] in x's
@@ -423,16 +482,22 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
         # chunks' out= products, and a checkpointed forward must compute exactly what its
         # recompute does (the fast kernels round differently), as models.llama.project does
         kernel = kernel_for(spec, in_features, x2d, parts) if torch.is_inference_mode_enabled() else "dense"
-    elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d)) or (
+    elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d, out_f)) or (
             kernel == "c" and not quant_cpu.applies(spec, in_features, x2d)):
         raise QuantError(f"kernel={kernel!r}: use dense or chunked (fused: per-channel int8, bf16 x "
-                         f"on the CPU, in_features % 8 == 0; c: the CPU, at most "
+                         f"on the CPU, at most {FUSED_ROWS_MAX} rows, a shape checked on this CPU "
+                         f"(kernel_trust.verdicts()); c: the CPU, at most "
                          f"{quant_cpu.ROWS_MEASURED_MAX} rows, built)")
     cdt = torch.float32 if x.device.type == "cpu" else x.dtype
+    _ran[kernel] = _ran.get(kernel, 0) + 1
     if x2d.shape[0] == 0:
         y = x2d.new_zeros(0, out_f)
     elif kernel == "fused":
-        y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), qw.contiguous(), sc.reshape(-1).to(x.dtype))
+        # unit scales, ours applied to the output in fp32: the kernel takes scales in x's dtype,
+        # and our fp16 scales rounded to bf16 moved every channel's weights by up to 2^-9
+        ones = torch.ones(out_f, dtype=x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), qw.contiguous(), ones).float()
+        y.mul_(sc.reshape(1, -1).float())
     elif kernel == "dense":
         y = F.linear(x2d.to(cdt), dequantize(parts, spec, in_features, cdt))
     elif kernel == "c":

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from offload import cbuild
+from offload import cbuild, kernel_trust
 
 ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes unmeasured (module docstring)
 # beyond ROWS_MAX, up to this many rows, only where quant.kernel_for measured it faster than the
@@ -91,13 +91,22 @@ def _self_check(lib: _Lib) -> str | None:
     return None
 
 
+LIBRARY_PROBE = "offload.quant_cpu:check_library"  # the self-check, run in a child first
+
+
+def check_library(case: tuple[str]) -> str | None:
+    """kernel_trust's probe: load the built library at `case[0]` and self-check it (a child)."""
+    return _self_check(_Lib(Path(case[0])))
+
+
 def library() -> _Lib | None:
     """The loaded kernel, or None (why: `status()`); built at most once per process."""
     with _lock:
         if "lib" not in _state:
             try:
-                _state["lib"], _state["why"] = cbuild.build("quant_gemv", _SOURCE, _FLAGS, _Lib,
-                                                            _self_check)
+                _state["lib"], _state["why"] = cbuild.build(
+                    "quant_gemv", _SOURCE, _FLAGS, _Lib, _self_check,
+                    verify=lambda path: kernel_trust.check(LIBRARY_PROBE, [(str(path),)])[(str(path),)])
             except OSError as exc:
                 _state["lib"], _state["why"] = None, f"cannot build: {exc}"
         return _state["lib"]

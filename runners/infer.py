@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm
 
+from offload import kernel_trust
 from offload.config import format_bytes, read_regular_file
 from offload.generate import SamplingParams, check_prompts, generate
 from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
@@ -33,7 +34,7 @@ from offload.planner import (MODES, Links, measure_links, plan_inference, stream
                              workspace_bytes)
 from offload.models import kernels, load_streamed
 from offload.models.quantized import QuantSettings, load_quantized_streamed, quantized_block_bytes
-from offload.quant import QuantError
+from offload.quant import QuantError, kernels_run
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,
@@ -321,6 +322,7 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
                                             progress=lambda i: bar.update(1))
     attach_adapter(model, args.lora)
     stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
+    calls_before = kernels_run()  # this run's quantized products, in the report
     try:
         links = _probe_stream(args, streamer, links, measured)
         if args.interactive:
@@ -329,7 +331,7 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
                                                     sampling, stop, device, dtype, plan.kv_tier)
     finally:
         streamer.close()
-    metrics = _metrics(results, plan, links, device, len(batches[0]))
+    metrics = _metrics(results, plan, links, device, len(batches[0]), calls_before)
     _report(metrics)
     if args.output_json:
         out = {"generated_ids": all_ids, "metrics": metrics, "plan": _plan_json(plan)}
@@ -511,7 +513,7 @@ def _stop_ids(cfg: ModelConfig, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-def _metrics(results, plan, links, device, batch) -> dict:
+def _metrics(results, plan, links, device, batch, calls_before: dict[str, int]) -> dict:
     pre_tok = sum(r.prompt_tokens for r in results)
     pre_s = sum(r.prefill_s for r in results)
     dec_tok = sum(r.decode_tokens for r in results)
@@ -547,6 +549,11 @@ def _metrics(results, plan, links, device, batch) -> dict:
         "beat_floor": beat,
         "compute_wait_s": wait_s,
         "peak_device_bytes": peak_dev, "peak_host_bytes": peak_rss_bytes(),
+        # which quantized product kernels ran, and what was checked on this CPU before any
+        # fast kernel was trusted (offload/kernel_trust.py)
+        "kernels": {"quantized_calls": {k: n - calls_before.get(k, 0) for k, n in kernels_run().items()
+                                        if n > calls_before.get(k, 0)},
+                    "checked": kernel_trust.verdicts()},
     }
 
 
@@ -567,6 +574,26 @@ def _report(m: dict) -> None:
           file=sys.stderr)
     print(f"peak memory: device {format_bytes(m['peak_device_bytes'])}, host (RSS) "
           f"{format_bytes(m['peak_host_bytes'])}", file=sys.stderr)
+    line = _kernels_line(m["kernels"])
+    if line:
+        print(line, file=sys.stderr)
+
+
+def _kernels_line(k: dict) -> str:
+    """`kernels: quantized products c 1320, fused 240 | checked on this CPU: fused int8 4 shapes
+    trusted, 1 refused (in 72 out 45: the check was killed by SIGSEGV on this case)`."""
+    calls = ", ".join(f"{name} {n}" for name, n in sorted(k["quantized_calls"].items()))
+    checked = []
+    for probe, cases in sorted(k["checked"].items()):
+        bad = {case: why for case, why in cases.items() if why != "trusted"}
+        text = f"{probe.rsplit(':', 1)[-1]} {len(cases) - len(bad)} trusted"
+        if bad:
+            case, why = next(iter(bad.items()))
+            text += f", {len(bad)} refused ({case}: {why})"
+        checked.append(text)
+    parts = ([f"quantized products {calls}"] if calls else []) + (
+        [f"checked on this CPU: {'; '.join(checked)}"] if checked else [])
+    return "kernels: " + " | ".join(parts) if parts else ""
 
 
 def entry() -> None:

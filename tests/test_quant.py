@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from offload import quant, quant_cpu
+from offload import kernel_trust, quant, quant_cpu
 from offload.quant import (QuantError, QuantSpec, dequantize, from_gguf, fused_applies, kernel_for,
                            packed_bytes, quant_linear, quantize)
 
@@ -281,10 +281,9 @@ def test_every_kernel_equals_x_times_dequantized_weight(spec, rows, dtype, monke
     ref = x.double() @ deq.T + bias.double()
     bound = x.double().abs() @ deq.abs().T + bias.double().abs()
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6
-    kernels = ["dense", "chunked"] + (["fused"] if fused_applies(spec, in_f, x) else [])
+    kernels = ["dense", "chunked"] + (["fused"] if fused_applies(spec, in_f, x, out_f) else [])
     if quant_cpu.applies(spec, in_f, x):
         kernels.append("c")
-    assert ("fused" in kernels) == (spec.bits == 8 and spec.group_size == 0 and dtype == torch.bfloat16)
     for kernel in kernels + [None]:
         y = quant_linear(x, parts, spec, in_f, bias, kernel=kernel)
         assert y.shape == (rows, out_f) and y.dtype == dtype and y.is_contiguous()
@@ -329,16 +328,23 @@ def test_kernel_choice_and_override(monkeypatch):
     few = "c" if quant_cpu.library() is not None else "chunked"  # the C loop, where it was built
     x = torch.randn(4, 64)
     many = torch.randn(max(quant.FUSED_ROWS_MAX, quant_cpu.ROWS_MAX[8]) + 1, 64)
-    assert kernel_for(ch, 64, x.bfloat16()) == "fused"
+    w = torch.randn(20, 64)
+    pch, pg = quantize(w, ch), quantize(w, grouped)
+    # in_features 64 passed torch's int8pack check on every CPU measured (AVX2, AVX-512)
+    assert kernel_trust.trusted(quant.FUSED_PROBE, (64, 20))
+    assert kernel_for(ch, 64, x.bfloat16(), pch) == "fused"
+    assert kernel_for(ch, 64, x.bfloat16()) == few  # no weight: its shape cannot be checked
     assert kernel_for(ch, 64, many.bfloat16()) == "chunked"
-    assert kernel_for(ch, 64, x) == few  # fp32: torch's int8 kernel is scalar
+    assert kernel_for(ch, 64, many.bfloat16(), pch) in ("c", "chunked")  # timed: never fused beyond 16
+    assert kernel_for(ch, 64, x, pch) == few  # fp32: torch's int8 kernel is scalar
     assert kernel_for(ch, 64, many) == "chunked"
-    assert kernel_for(grouped, 64, x.bfloat16()) == few
-    assert kernel_for(ch, 36, torch.randn(4, 36).bfloat16()) == few  # in % 8 != 0 crashes fused
+    assert kernel_for(grouped, 64, x.bfloat16(), pg) == few
+    p36 = quantize(torch.randn(7, 36), ch)
+    assert kernel_for(ch, 36, torch.randn(4, 36).bfloat16(), p36) == few  # in % 8 != 0 crashes fused
     monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "dense")
-    assert kernel_for(ch, 64, x.bfloat16()) == "dense"
+    assert kernel_for(ch, 64, x.bfloat16(), pch) == "dense"
     monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "fused")
-    assert kernel_for(ch, 64, x) == "chunked" and kernel_for(ch, 64, x.bfloat16()) == "fused"
+    assert kernel_for(ch, 64, x, pch) == "chunked" and kernel_for(ch, 64, x.bfloat16(), pch) == "fused"
     monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "chunked")
     assert kernel_for(ch, 64, x) == "chunked"
     monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", "bogus")

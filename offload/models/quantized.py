@@ -40,7 +40,8 @@ from nvme.format import FormatError, read_header, write_file, write_json_atomic
 from nvme.io import IOEngine
 from offload.block_layout import TensorRange
 from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix
-from offload.quant import QuantError, QuantSpec, from_gguf, packed_bytes, quant_linear, quantize
+from offload.quant import (QuantError, QuantSpec, check_kernels, from_gguf, packed_bytes, quant_linear,
+                           quantize)
 
 FORMAT_VERSION = 1
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -348,6 +349,8 @@ def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence
 
     model = build_model(reader.config, "meta", dtype)
     quantize_layers(model, blocks.specs, dtype)
+    check_kernels([(m.spec, m.in_features, m.out_features) for m in model.modules()
+                   if isinstance(m, QuantLinear)], dtype, device)
     materialize_non_block(model, device, dtype, reader)
     files = [blocks.ranges(i) for i in range(reader.config.num_hidden_layers)]
     streamer = BlockStreamer(model.model.layers, residency, device=device, dtype=torch.uint8,
