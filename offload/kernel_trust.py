@@ -43,6 +43,7 @@ Case = tuple
 
 _lock = threading.Lock()  # one check at a time: a class is never checked twice at once
 _known: dict[tuple[str, Case], str | None] = {}  # (probe, case) -> None (trusted) or why not
+_UNKNOWN = object()
 
 
 def check(probe: str, cases: Sequence[Case]) -> dict[Case, str | None]:
@@ -68,7 +69,16 @@ def check(probe: str, cases: Sequence[Case]) -> dict[Case, str | None]:
 
 def trusted(probe: str, case: Case) -> bool:
     """`probe` passed for `case` on this machine (checked now if it never was)."""
-    return check(probe, [case])[tuple(case)] is None
+    why = _known.get((probe, case), _UNKNOWN)  # the hot path (every projection, every layer)
+    if why is _UNKNOWN:
+        why = check(probe, [case])[tuple(case)]
+    return why is None
+
+
+def known(probe: str, case: Case) -> bool:
+    """This process already has a verdict for `case` (a caller may then check related cases
+    together, in one child)."""
+    return (probe, tuple(case)) in _known
 
 
 def verdicts() -> dict[str, dict[str, str]]:

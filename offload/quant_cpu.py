@@ -81,7 +81,9 @@ def _self_check(lib: _Lib) -> str | None:
                        (QuantSpec(4, 32), 96), (QuantSpec(8, 0), 1040), (QuantSpec(4, 32), 1040)):
         w = torch.randn(37, in_f, generator=gen)
         parts = quantize(w, spec)
-        for rows in (1, 3, 11):  # one row, one 8-row tile, the blocked loop
+        # one row, a partial and a full 8-row tile, the blocked loop (odd: a half-empty x tile),
+        # the most rows any caller gives it
+        for rows in (1, 3, 8, 11, 17, ROWS_MEASURED_MAX):
             x = torch.randn(rows, in_f, generator=gen)
             want = x.double() @ dequantize(parts, spec, in_f, torch.float64).T
             got = _run(lib, x, parts, spec, in_f, threads=2)

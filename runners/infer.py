@@ -513,7 +513,8 @@ def _stop_ids(cfg: ModelConfig, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-def _metrics(results, plan, links, device, batch, calls_before: dict[str, int]) -> dict:
+def _metrics(results, plan, links, device, batch, calls_before: dict[str, int] | None = None) -> dict:
+    calls_before = calls_before or {}
     pre_tok = sum(r.prompt_tokens for r in results)
     pre_s = sum(r.prefill_s for r in results)
     dec_tok = sum(r.decode_tokens for r in results)

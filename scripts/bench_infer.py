@@ -143,16 +143,31 @@ def bench_nvme(reader, shards: list[str], batches: list[int], args) -> list[dict
     return rows
 
 
+def quant_settings(variant: str):
+    """A variant's settings: int8 or int4 (the runner's default groups), int8/ch (per channel),
+    int8/g32, int4/g32, ..."""
+    from offload.models.quantized import QuantSettings
+    mode, _, group = variant.partition("/")
+    return QuantSettings(mode, 0 if group in ("", "ch") else int(group.lstrip("g")))
+
+
 def bench_quant(args) -> list[dict]:
-    from offload.models.quantized import QuantSettings, load_quantized_streamed, quantize_checkpoint
-    cfg = preset(args.preset)
-    path = os.path.join(os.path.dirname(os.path.abspath(args.dir)), f"{args.preset}-bf16")
-    random_checkpoint(cfg, path, 0, torch.bfloat16)
+    from offload.models.quantized import load_quantized_streamed, quantize_checkpoint
+    if args.quant_model:  # a real checkpoint directory (e.g. SmolLM2 converted from its GGUF)
+        path = args.quant_model
+        with CheckpointReader(path) as reader:
+            cfg = reader.config
+    else:
+        cfg = preset(args.preset)
+        path = os.path.join(os.path.dirname(os.path.abspath(args.dir)), f"{args.preset}-bf16")
+        random_checkpoint(cfg, path, 0, torch.bfloat16)
     L = cfg.num_hidden_layers
     rows = []
+    variants = args.quant_variants.split(",")
     with CheckpointReader(path) as reader:
-        blocks = {mode: quantize_checkpoint(reader, QuantSettings(mode), torch.float32, cache_root=path)
-                  for mode in ("int8", "int4")}
+        cache_root = os.path.join(os.path.dirname(os.path.abspath(args.dir)), "quant-cache")
+        blocks = {v: quantize_checkpoint(reader, quant_settings(v), torch.float32, cache_root=cache_root)
+                  for v in variants}
 
         def load(variant: str, tier: str):
             if variant == "bf16":
@@ -164,7 +179,7 @@ def bench_quant(args) -> list[dict]:
         ram_batches = [int(b) for b in args.quant_batches.split(",")]
         tiers = [t for t in (("nvme", [1]), ("cpu", ram_batches)) if t[0] in args.quant_tiers.split(",")]
         for tier, batches in tiers:
-            loaded = {v: load(v, tier) for v in ("bf16", "int8", "int4")}
+            loaded = {v: load(v, tier) for v in ["bf16"] + variants}
             floor_gbps = {}
             try:
                 for v, (model, streamer) in loaded.items():  # warm-up: allocations, thread pools
@@ -327,6 +342,11 @@ def main() -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--quant-batches", default="1,2,4,8,16",
                    help="quant part: batch sizes of the in-RAM rows (NVMe rows: batch 1)")
+    p.add_argument("--quant-model", help="quant part: this checkpoint directory instead of the "
+                   "preset's random weights (its stored dtype is the 16-bit baseline)")
+    p.add_argument("--quant-variants", default="int8,int4",
+                   help="quantized variants beside bf16: int8, int4 (the runner's default groups), "
+                        "int8/ch (per channel), int8/g32, int4/g32, ...")
     p.add_argument("--quant-tiers", default="nvme,cpu",
                    help="quant part: nvme (batch 1, streamed cold) and/or cpu (in RAM, --quant-batches)")
     p.add_argument("--new-tokens", type=int, default=8)

@@ -3,6 +3,7 @@ of int8 / int4 against the unquantized model, on real text.
 
     python scripts/eval_quant.py                       # SmolLM2-135M-Instruct (fetched once), 8 x 256 tokens
     python scripts/eval_quant.py --seqs 32 --seq-len 512 --text corpus
+    python scripts/eval_quant.py --model 1B --seqs 2 --seq-len 128   # a preset's random weights
 
 The reference ("16-bit") is the model in the compute dtype (fp32 here) as the checkpoint holds it;
 SmolLM2's file is itself Q4_1, so its reference is those values dequantized, and "int4 (GGUF as
@@ -26,15 +27,21 @@ import torch.nn.functional as F
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
-from offload.models import CheckpointReader, gguf_checkpoint_dir, load_model  # noqa: E402
+from offload.generate import generate  # noqa: E402
+from offload.models import PRESETS, CheckpointReader, gguf_checkpoint_dir, load_model, preset  # noqa: E402
 from offload.models.quantized import (QuantSettings, load_quantized_streamed,  # noqa: E402
                                       quantize_checkpoint)
 from offload.tiers import cpu_model  # noqa: E402
 from offload.tokenizer import load_tokenizer  # noqa: E402
 
 # (label, mode, group size, take GGUF tensors as they are)
-VARIANTS = [("int8", "int8", 0, False), ("int4 g64", "int4", 64, False),
-            ("int4 g32", "int4", 32, False), ("int4 (GGUF as is)", "int4", 0, True)]
+VARIANTS = [("int8 per channel", "int8", 0, False), ("int8 g32", "int8", 32, False),
+            ("int4 g64", "int4", 64, False), ("int4 g32", "int4", 32, False),
+            ("int4 (GGUF as is)", "int4", 0, True)]
+# greedy runs compared token by token with the reference: raw ids (no tokenizer needed)
+GREEDY_PROMPTS = [[1, 504, 3458, 282, 6493, 314], [1, 7, 12, 40, 90], [1, 9690, 314, 3459, 28, 1350],
+                  [1, 30, 31, 32, 33, 34, 35]]
+GREEDY_TOKENS = 16
 
 
 def real_text(kind: str) -> str:
@@ -79,15 +86,31 @@ def quantized_model(hf_dir: str, gguf_path: str | None, mode: str, group: int, w
     return model, streamer, reader, sum(blocks.block_bytes)
 
 
+def greedy(model, vocab: int, streamer=None) -> list[list[int]]:
+    """GREEDY_TOKENS greedy ids after each of GREEDY_PROMPTS (ids folded into the vocabulary)."""
+    prompts = [[t % vocab for t in p] for p in GREEDY_PROMPTS]
+    res = generate(model, prompts, max_new_tokens=GREEDY_TOKENS, streamer=streamer)
+    return res.tokens
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two greedy runs differ; None if they never do."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def evaluate(hf_dir: str, gguf_path: str | None, rows: torch.Tensor, workdir: str,
              variants=VARIANTS) -> list[dict]:
-    """One row per model: label, perplexity, ratio to the reference, top-1 agreement, block bytes."""
+    """One row per model: label, perplexity, ratio to the reference, top-1 agreement, block
+    bytes, and per greedy prompt the first token that differs from the reference's (None: none)."""
     ref = load_model(hf_dir)
     nll, count, ref_pred = teacher_forced(ref, rows)
+    vocab = ref.config.vocab_size
+    ref_greedy = greedy(ref, vocab)
     ref_bytes = sum(p.numel() * p.element_size() for p in ref.model.layers.parameters())
     del ref
     base = math.exp(nll / count)
-    out = [{"label": "reference (fp32)", "ppl": base, "ratio": 1.0, "top1": 1.0, "block_bytes": ref_bytes}]
+    out = [{"label": "reference (fp32)", "ppl": base, "ratio": 1.0, "top1": 1.0, "block_bytes": ref_bytes,
+            "diverged_at": [None] * len(ref_greedy)}]
     for label, mode, group, as_is in variants:
         if as_is and gguf_path is None:
             continue
@@ -95,12 +118,14 @@ def evaluate(hf_dir: str, gguf_path: str | None, rows: torch.Tensor, workdir: st
                                                           group, workdir)
         try:
             q_nll, _, pred = teacher_forced(model, rows)
+            q_greedy = greedy(model, vocab, streamer)
         finally:
             streamer.close()
             reader.close()
         ppl = math.exp(q_nll / count)
         out.append({"label": label, "ppl": ppl, "ratio": ppl / base,
-                    "top1": (pred == ref_pred).float().mean().item(), "block_bytes": nbytes})
+                    "top1": (pred == ref_pred).float().mean().item(), "block_bytes": nbytes,
+                    "diverged_at": [first_difference(a, b) for a, b in zip(ref_greedy, q_greedy)]})
     return out
 
 
@@ -118,17 +143,27 @@ def main() -> int:
         from fetch_smollm2 import fetch
         model = fetch(quiet=True)
     gguf_path = model if os.path.isfile(model) else None
-    hf_dir = gguf_checkpoint_dir(model, torch.float32) if gguf_path else model
-    tok = load_tokenizer(hf_dir)
-    rows = token_rows(tok, real_text(args.text), args.seqs, args.seq_len)
+    if model in PRESETS:  # random weights (bf16, as bench_infer stores them): no tokenizer, random ids
+        from runners.infer import random_checkpoint
+        cfg = preset(model)
+        hf_dir = os.path.join(tempfile.gettempdir(), "offload-bench", f"{model}-bf16")
+        random_checkpoint(cfg, hf_dir, 0, torch.bfloat16)
+        g = torch.Generator().manual_seed(0)
+        rows = torch.randint(3, cfg.vocab_size, (args.seqs, args.seq_len), generator=g)
+        args.text = "random ids"
+    else:
+        hf_dir = gguf_checkpoint_dir(model, torch.float32) if gguf_path else model
+        rows = token_rows(load_tokenizer(hf_dir), real_text(args.text), args.seqs, args.seq_len)
     print(f"# {os.path.basename(model)}, text {args.text}, {args.seqs} x {args.seq_len} tokens, "
           f"CPU {cpu_model()}")
     with tempfile.TemporaryDirectory() as work:
         results = evaluate(hf_dir, gguf_path, rows, work)
-    print(f"{'model':<20} {'perplexity':>10} {'vs ref':>8} {'top-1 agree':>12} {'block bytes':>12}")
+    print(f"{'model':<20} {'perplexity':>10} {'vs ref':>8} {'top-1 agree':>12} {'block bytes':>12}  "
+          f"greedy: first token unlike the reference's, {len(GREEDY_PROMPTS)} prompts x {GREEDY_TOKENS}")
     for r in results:
+        first = " ".join("-" if i is None else str(i) for i in r["diverged_at"])
         print(f"{r['label']:<20} {r['ppl']:>10.3f} {r['ratio']:>8.4f} {100 * r['top1']:>11.2f}% "
-              f"{r['block_bytes'] / 1e6:>10.1f}MB")
+              f"{r['block_bytes'] / 1e6:>10.1f}MB  {first}")
     return 0
 
 

@@ -200,3 +200,41 @@ def test_infer_int8_gives_the_same_tokens_with_and_without_the_fused_kernel(sour
     assert got["c"]["metrics"]["kernels"]["quantized_calls"].keys() == {"c"}
     if source == "smollm2":  # 576 and 1536 columns: right on every CPU measured
         assert "fused" in calls
+
+
+# ---- attention: torch's fused CPU kernel only for classes checked here -------------------------
+def test_attention_is_checked_per_class_and_runs_the_math_backend_where_the_check_failed(monkeypatch):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from offload.models import attention
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 24, generator=gen)
+    k, v = torch.randn(2, 2, 9, 24, generator=gen), torch.randn(2, 2, 9, 24, generator=gen)
+    y = attention.attend(q, k, v, None, True, True)
+    # every mask kind of this (head_dim, dtype, grouped) class was checked, in one child
+    got = kernel_trust.verdicts()[attention.SDPA_PROBE]
+    assert all(json.dumps([24, "float32", True, kind]) in got for kind in ("causal", "none", "mask"))
+    ref = attention._reference(q, k, v, None, True)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    monkeypatch.setattr(kernel_trust, "_known", {**kernel_trust._known,
+                                                 (attention.SDPA_PROBE, (24, "float32", True, "causal")): "wrong"})
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        calls.append(torch._C._get_math_sdp_enabled() and not torch._C._get_flash_sdp_enabled())
+        return real(*a, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    y_math = attention.attend(q, k, v, None, True, True)
+    assert calls == [True]  # the math backend alone was enabled for the call
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.equal(y_math, real(q, k, v, is_causal=True, enable_gqa=True))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torchs_attention_passes_its_check_on_this_cpu(dtype):
+    """The probe itself against float64 (forward and backward) in this process, for the shapes
+    of the real model (SmolLM2: head_dim 64, 3 query heads per key head)."""
+    from offload.models import attention
+    for kind in ("causal", "none", "mask"):
+        assert attention.check_sdpa((64, dtype, True, kind)) is None

@@ -212,9 +212,11 @@ def delayed_configs(swap: str, saved: str) -> list[dict]:
                    dict(runs[2], save=saved, save_after=HALF)]
 
 
-def delayed_reference(warmup: int) -> tuple[dict, list[float]]:
+def delayed_reference(warmup: int, world: int = 1) -> tuple[dict, list[float]]:
     """tests/test_delayed.py's one-process reference of the delayed update, over the global
-    batch: (masters, losses)."""
+    batch: (masters, losses). With `world` > 1 each micro-batch's loss is the mean of the
+    `world` ranks' slices' mean losses, as the ranks compute it: the same value summed in
+    another order (Adam turns such rounding differences into visible ones)."""
     from types import SimpleNamespace
 
     from test_delayed import reference_delayed
@@ -223,7 +225,12 @@ def delayed_reference(warmup: int) -> tuple[dict, list[float]]:
     data = batches(vocab_of(model), UPDATES * ACCUM, ROWS, SEQ)
     cfg = SimpleNamespace(lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
                           weight_decay=OPT["weight_decay"], grad_accum_steps=ACCUM, grad_clip=CLIP)
-    masters, _, losses = reference_delayed(model, data, lm_loss, cfg=cfg, warmup=warmup)
+    per = ROWS // world
+
+    def loss_fn(m, ids):
+        return sum(lm_loss(m, ids[r * per:(r + 1) * per]) for r in range(world)) / world
+    masters, _, losses = reference_delayed(model, data, lm_loss if world == 1 else loss_fn,
+                                           cfg=cfg, warmup=warmup)
     return masters, losses
 
 
@@ -324,11 +331,17 @@ def test_overlapped_step_across_ranks_matches_one_process_adamw(two_ranks):
 
 def test_delayed_update_across_ranks_matches_one_process(two_ranks, three_ranks):
     """The delayed update at stages 0-2 on 2 ranks (with clipping, accumulation, and a warm-up)
-    follows the one-process delayed reference within 1e-5 -- the losses too, so every forward
+    follows the one-process delayed reference within 1e-5, or twice what reordering the
+    reference's own sums changes where that is more -- the losses within 1e-5, so every forward
     used the same stale weights; saved with an update pending at stage 2 and resumed on 3 ranks
     at stage 1 (the weights in use saved per rank), it goes on exactly as the reference."""
     results = two_ranks["delayed"]
     ref, ref_losses = delayed_reference(warmup=0)
+    # what reordering the same sums does to the reference on this CPU: the masters' tolerance
+    # is twice that where it exceeds TOLERANCE (2.0e-5 on an AVX-512 EPYC, where 2 ranks at
+    # stage 2 came to 1.5e-5: the gradient norm summed shard by shard)
+    reordered = rel_diff(delayed_reference(warmup=0, world=2)[0], ref)
+    tol = max(TOLERANCE, 2 * reordered)
     for i, res in enumerate(results):
         if i == len(DELAYED):
             want, want_losses = delayed_reference(warmup=2)
@@ -337,11 +350,11 @@ def test_delayed_update_across_ranks_matches_one_process(two_ranks, three_ranks)
         assert res["path"] == "delayed"
         d = rel_diff(res["masters"], want)
         dl = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], want_losses))
-        assert d <= TOLERANCE and dl <= TOLERANCE, (i, d, dl)
+        assert d <= tol and dl <= TOLERANCE, (i, d, dl, reordered)
         check_plan(res["plan"], res["peaks"], ("delayed", i))
     resumed = three_ranks["delayed"][0]
     assert resumed["path"] == "delayed"
-    assert rel_diff(resumed["masters"], ref) <= TOLERANCE
+    assert rel_diff(resumed["masters"], ref) <= tol
     tail = ref_losses[HALF * ACCUM:]
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], tail)) <= TOLERANCE
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from offload import mapped
 from offload.models import kernels
+from offload.models.attention import attend
 from offload.models.config import ModelConfig, block_prefix
 
 # enable_gqa lets SDPA attend grouped K/V heads without materialising repeated copies.
@@ -288,11 +289,11 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         if groups > 1 and not _SDPA_GQA:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        extra = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
         # No mask means: no padding, no window, and either a fresh sequence (causal, T == S) or
-        # a single query that sees every cached key.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             is_causal=mask is None and T > 1, **extra)  # [B, nh, T, D]
+        # a single query that sees every cached key. On the CPU torch's fused kernel only where
+        # it was checked on this machine (models/attention.py).
+        out = attend(q, k, v, mask, is_causal=mask is None and T > 1,
+                     enable_gqa=groups > 1 and _SDPA_GQA)  # [B, nh, T, D]
         return project(self.o_proj, out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
