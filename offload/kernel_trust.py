@@ -67,11 +67,16 @@ def check(probe: str, cases: Sequence[Case]) -> dict[Case, str | None]:
         return {c: _known[(probe, c)] for c in cases}
 
 
+def verdict(probe: str, case: Case) -> str | None:
+    """None where `probe` passed for `case` on this machine, else why not (checked now if never)."""
+    return check(probe, [case])[tuple(case)]
+
+
 def trusted(probe: str, case: Case) -> bool:
     """`probe` passed for `case` on this machine (checked now if it never was)."""
     why = _known.get((probe, case), _UNKNOWN)  # the hot path (every projection, every layer)
     if why is _UNKNOWN:
-        why = check(probe, [case])[tuple(case)]
+        why = verdict(probe, case)
     return why is None
 
 

@@ -183,7 +183,7 @@ def _build_kernel(arch_flag_sets: list[list[str]] | None = None,
     """Compile (or reuse from the on-disk cache) and self-check the kernel: (ctypes fn, why).
     The arguments exist for tests (e.g. to build the portable, no-arch-flags variant)."""
     return cbuild.build("cpu_adamw", _SOURCE, _BASE_CFLAGS, _bind, _self_check, arch_flag_sets, cache,
-                        verify=lambda path: kernel_trust.check(LIBRARY_PROBE, [(str(path),)])[(str(path),)])
+                        verify=lambda path: kernel_trust.verdict(LIBRARY_PROBE, (str(path),)))
 
 
 LIBRARY_PROBE = "offload.optim:check_library"  # the self-check, run in a child first

@@ -287,7 +287,7 @@ def check_int8pack(case: tuple[int, int]) -> str | None:
         ref = x.double() @ w_ref.T
         bound = x.double().abs() @ w_ref.abs().T
         err = ((y[:, cols].double() - ref).abs() / bound.clamp_min(1e-30)).max().item()
-        if not err <= 2 ** -6:  # bf16 x, scales and output: a few 2^-8 roundings
+        if not err <= 2 ** -6:  # bf16 x and output: a few 2^-8 roundings
             return f"rows {rows}: relative error {err:.3g} against float64"
     return None
 
@@ -295,8 +295,8 @@ def check_int8pack(case: tuple[int, int]) -> str | None:
 def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor,
                parts: dict[str, torch.Tensor] | None = None) -> str:
     """The kernel quant_linear runs for x2d [rows, in] and the weight's `parts`: fused where it
-    applies (which needs `parts`: its shape is checked), the C loop where it applies, chunked otherwise (or what
-    $OFFLOAD_QUANT_KERNEL forces). From C_MEASURED_FROM_ROWS rows on, given the weight's
+    applies (which needs `parts`: its shape is checked), the C loop where it applies, chunked
+    otherwise (or what $OFFLOAD_QUANT_KERNEL forces). From C_MEASURED_FROM_ROWS rows on, given the weight's
     `parts`, the C loop and the chunked kernel are timed on it once per shape (`_c_or_chunked`)."""
     forced = _override()
     fused = parts is not None and fused_applies(spec, in_features, x2d, parts["qweight"].shape[0])

@@ -108,7 +108,7 @@ def library() -> _Lib | None:
             try:
                 _state["lib"], _state["why"] = cbuild.build(
                     "quant_gemv", _SOURCE, _FLAGS, _Lib, _self_check,
-                    verify=lambda path: kernel_trust.check(LIBRARY_PROBE, [(str(path),)])[(str(path),)])
+                    verify=lambda path: kernel_trust.verdict(LIBRARY_PROBE, (str(path),)))
             except OSError as exc:
                 _state["lib"], _state["why"] = None, f"cannot build: {exc}"
         return _state["lib"]

@@ -127,6 +127,27 @@ def dtype_label(dtype: torch.dtype) -> str:
 
 
 # ---- budgets ------------------------------------------------------------------------------------
+def group_size_arg(value: str) -> int:
+    """--group-size: input columns per scale (0: the mode's default), or "channel" for one
+    scale per output row (int8)."""
+    from offload.models.quantized import PER_CHANNEL
+    if value.strip().lower() == "channel":
+        return PER_CHANNEL
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: use a number of columns (e.g. 32, 64, 128) "
+                                         f"or channel") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: use a number of columns >= 0 or channel")
+    return n
+
+
+GROUP_SIZE_HELP = ("--quantize: input columns per scale (default: int8 32, as llama.cpp's Q8_0; "
+                   "int4 64); channel: one scale per output row (int8 only: faster at batch 1, "
+                   "less faithful)")
+
+
 def add_budget_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
                         help="device memory budget, e.g. 20GiB (default: what is free)")

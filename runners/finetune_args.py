@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from offload.lora import SHORT_TARGETS, LoraConfig, LoraError
-from runners.common import Parser, dtype_label, fail, select_dtype
+from runners.common import GROUP_SIZE_HELP, Parser, dtype_label, fail, group_size_arg, select_dtype
 
 DESCRIPTION = "fine-tune a Llama-family model with offloaded optimizer state"
 
@@ -131,8 +131,8 @@ def _add_lora_args(ap: argparse.ArgumentParser) -> None:
                     help="QLoRA: the frozen base's projections as int8/int4 codes with fp16 scales, "
                     "converted once into --cache-dir (the blocks runners.infer --quantize uses) and "
                     "streamed as stored; needs --lora-rank and --offload-params cpu|nvme")
-    ap.add_argument("--group-size", type=int, default=0, help="--quantize: input columns per "
-                    "scale (default: int8 one per row, int4 64)")
+    ap.add_argument("--group-size", type=group_size_arg, default=0, metavar="N|channel",
+                    help=GROUP_SIZE_HELP)
     ap.add_argument("--cache-dir", default=None, help="where --quantize keeps the converted blocks "
                     "(and a preset's generated weights); default ~/.cache/offload, runners.infer's "
                     "default --offload-dir, so inference reuses them")

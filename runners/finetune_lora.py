@@ -37,6 +37,7 @@ from offload.config import format_bytes
 from offload.lora import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraConfig, apply_lora,
                           base_checkpoint_name, load_adapter)
 from offload.mapped import maps_frozen_rest
+from offload.models.quantized import PER_CHANNEL
 from runners.common import fail
 from runners.finetune_args import lora_config
 from runners import finetune_qlora as qlora
@@ -87,7 +88,8 @@ class LoraRun:
         if not self.quantize:
             return ""
         a = self.args
-        return (f" --quantize {self.quantize}" + (f" --group-size {a.group_size}" if a.group_size else "")
+        group = "channel" if a.group_size == PER_CHANNEL else a.group_size
+        return (f" --quantize {self.quantize}" + (f" --group-size {group}" if a.group_size else "")
                 + (f" --offload-dir {qlora.cache_root(a.cache_dir)}" if a.cache_dir else "")
                 + (f" --init-seed {a.seed}" if not os.path.exists(a.model) else ""))
 

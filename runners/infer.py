@@ -37,9 +37,9 @@ from offload.models.quantized import QuantSettings, load_quantized_streamed, qua
 from offload.quant import QuantError, kernels_run
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
-from runners.common import (Parser, RunnerError, add_budget_args, add_device_args, check_budget_flags,
-                            dtype_label, note_unused_tensors, run_main, select_device,
-                            select_dtype, writable_dir)
+from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_args, add_device_args,
+                            check_budget_flags, dtype_label, group_size_arg, note_unused_tensors,
+                            run_main, select_device, select_dtype, writable_dir)
 from runners.infer_lora import add_adapter_arg, attach_adapter, check_adapter
 from runners.infer_quant import convert_quantized, quant_scratch, quant_source
 
@@ -83,8 +83,8 @@ def build_parser() -> Parser:
                         "converted once into --offload-dir (default ~/.cache/offload)/quant and "
                         "reused. A GGUF model's Q8_0 (int8) or Q4_0/Q4_1 (int4) tensors are taken "
                         "as they are")
-    p.add_argument("--group-size", type=int, default=0, metavar="N",
-                   help="--quantize: input columns per scale (default: int8 one per row, int4 64)")
+    p.add_argument("--group-size", type=group_size_arg, default=0, metavar="N|channel",
+                   help=GROUP_SIZE_HELP)
     p.add_argument("--mode", default="latency", choices=MODES)
     p.add_argument("--kv-cache", default="auto", choices=["auto", "device", "host"],
                    help="where the KV cache lives: auto = the device, unless --mode throughput on a "

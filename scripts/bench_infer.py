@@ -146,9 +146,9 @@ def bench_nvme(reader, shards: list[str], batches: list[int], args) -> list[dict
 def quant_settings(variant: str):
     """A variant's settings: int8 or int4 (the runner's default groups), int8/ch (per channel),
     int8/g32, int4/g32, ..."""
-    from offload.models.quantized import QuantSettings
+    from offload.models.quantized import PER_CHANNEL, QuantSettings
     mode, _, group = variant.partition("/")
-    return QuantSettings(mode, 0 if group in ("", "ch") else int(group.lstrip("g")))
+    return QuantSettings(mode, 0 if group == "" else PER_CHANNEL if group == "ch" else int(group.lstrip("g")))
 
 
 def bench_quant(args) -> list[dict]:

@@ -29,13 +29,13 @@ sys.path.insert(0, _ROOT)
 
 from offload.generate import generate  # noqa: E402
 from offload.models import PRESETS, CheckpointReader, gguf_checkpoint_dir, load_model, preset  # noqa: E402
-from offload.models.quantized import (QuantSettings, load_quantized_streamed,  # noqa: E402
-                                      quantize_checkpoint)
+from offload.models.quantized import (PER_CHANNEL, QuantSettings,  # noqa: E402
+                                      load_quantized_streamed, quantize_checkpoint)
 from offload.tiers import cpu_model  # noqa: E402
 from offload.tokenizer import load_tokenizer  # noqa: E402
 
 # (label, mode, group size, take GGUF tensors as they are)
-VARIANTS = [("int8 per channel", "int8", 0, False), ("int8 g32", "int8", 32, False),
+VARIANTS = [("int8 per channel", "int8", PER_CHANNEL, False), ("int8 g32", "int8", 32, False),
             ("int4 g64", "int4", 64, False), ("int4 g32", "int4", 32, False),
             ("int4 (GGUF as is)", "int4", 0, True)]
 # greedy runs compared token by token with the reference: raw ids (no tokenizer needed)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from offload import cbuild, kernel_trust, quant, quant_cpu
+from offload.models.quantized import PER_CHANNEL
 from offload.quant import QuantSpec, dequantize, quant_linear, quantize
 
 PROBE = "trust_probes:behave"
@@ -121,8 +122,8 @@ def test_a_c_library_whose_check_crashes_falls_back_to_the_next_flags(fresh):
     def verify(path):
         seen.append(path)
         if len(seen) == 1:
-            return kernel_trust.check(PROBE, [("segfault",)])[("segfault",)]
-        return kernel_trust.check(quant_cpu.LIBRARY_PROBE, [(str(path),)])[(str(path),)]
+            return kernel_trust.verdict(PROBE, ("segfault",))
+        return kernel_trust.verdict(quant_cpu.LIBRARY_PROBE, (str(path),))
     lib, why = cbuild.build("quant_gemv", quant_cpu._SOURCE, quant_cpu._FLAGS, quant_cpu._Lib,
                             quant_cpu._self_check, [["-march=native"], []], fresh, verify=verify)
     assert lib is not None and why == f"C kernel {seen[1]}" and len(seen) == 2
@@ -150,7 +151,8 @@ def _margin_at(model_dir: str, workdir: str, prefix: list[int], a: int, b: int) 
     """|logit a - logit b| after `prefix`, the int8 bf16 model computed without the fused kernel."""
     from conftest import load_script
     ev = load_script("eval_quant")
-    model, streamer, reader, _ = ev.quantized_model(model_dir, None, "int8", 0, workdir, torch.bfloat16)
+    model, streamer, reader, _ = ev.quantized_model(model_dir, None, "int8", PER_CHANNEL, workdir,
+                                                    torch.bfloat16)
     try:
         with torch.inference_mode():
             logits = model(torch.tensor([prefix])).float()[0, -1]
@@ -176,7 +178,7 @@ def test_infer_int8_gives_the_same_tokens_with_and_without_the_fused_kernel(sour
     for kernel in ("auto", "c"):  # auto: fused wherever its check passed on this CPU
         monkeypatch.setenv("OFFLOAD_QUANT_KERNEL", kernel)
         out = tmp_path / f"{kernel}.json"
-        argv = ["--model", model, "--quantize", "int8", "--group-size", "0", "--dtype", "bf16",
+        argv = ["--model", model, "--quantize", "int8", "--group-size", "channel", "--dtype", "bf16",
                 "--max-new-tokens", "12", "--ignore-eos", "--probe-seconds", "0",
                 "--offload-dir", str(tmp_path), "--output-json", str(out)]
         for p in PROMPTS:

@@ -13,7 +13,7 @@ import torch
 from nvme.format import SafetensorsFile, read_header
 from offload.generate import generate
 from offload.models import CheckpointReader, build_model, load_model, preset, save_pretrained
-from offload.models.quantized import (PROJECTIONS, QuantLinear, QuantSettings, block_file, cache_key,
+from offload.models.quantized import (PER_CHANNEL, PROJECTIONS, QuantLinear, QuantSettings, block_file, cache_key,
                                       checkpoint_source, convert_blocks, load_quantized_streamed,
                                       projection_specs, quantized_block_bytes, source_identity)
 from offload.quant import QuantSpec, dequantize
@@ -103,7 +103,7 @@ def test_quantized_blocks_stream_through_every_tier_like_resident(ckpt, tmp_path
 
 
 def test_block_bytes_planned_equal_the_files(ckpt, tmp_path):
-    for mode, group in [("int8", 0), ("int8", 32), ("int4", 64), ("int4", 32)]:
+    for mode, group in [("int8", PER_CHANNEL), ("int8", 0), ("int4", 64), ("int4", 32)]:
         blocks = _convert(ckpt, str(tmp_path / f"{mode}{group}"), mode, group)
         specs = projection_specs(CFG, QuantSettings(mode, group))
         assert blocks.block_bytes == [quantized_block_bytes(CFG, s, torch.float32) for s in specs]
@@ -171,6 +171,21 @@ def test_runner_refuses_group_size_without_quantize(tmp_path, capsys):
     rc, err = _infer(["--quantize", "int4", "--group-size", "7", "--dry-run"], capsys)
     assert rc != 0 and err.strip().splitlines()[-1].startswith("error: --quantize int4 --group-size 7")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_int8_defaults_to_groups_of_32_and_channel_means_one_scale_per_row(tmp_path, capsys):
+    """int8's default is llama.cpp's Q8_0 grouping (the faithful one: docs/benchmarks/int8.md);
+    --group-size channel asks for per-row scales, which int4 cannot take."""
+    assert QuantSettings("int8").spec() == QuantSpec(8, 32)
+    assert QuantSettings("int8", PER_CHANNEL).spec() == QuantSpec(8, 0)
+    assert QuantSettings("int4").spec() == QuantSpec(4, 64)
+    rc, err = _infer(["--quantize", "int4", "--group-size", "channel", "--dry-run"], capsys)
+    assert rc != 0 and "for int8" in err and "Traceback" not in err
+    rc, err = _infer(["--quantize", "int8", "--group-size", "row", "--dry-run"], capsys)
+    assert rc != 0 and "or channel" in err and "Traceback" not in err
+    rc, err = _infer(["--model", "tiny", "--quantize", "int8", "--group-size", "channel", "--dry-run",
+                      "--offload-dir", tmp_path], capsys)
+    assert rc == 0, err
 
 
 def test_70b_int4_plan_for_a_gpu(tmp_path, capsys):

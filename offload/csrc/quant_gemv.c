@@ -116,7 +116,8 @@ static inline __attribute__((always_inline)) void fma_rows(v8 *acc, const float 
 
 /* One output row o of R rows. The row is taken in pieces: an int4 piece is one whole group
  * (its columns are permuted within the group); an int8 piece is at most PIECE columns of one
- * group, so per-channel scales (one group as wide as the row) need no row-wide buffer. */
+ * group, so per-channel scales (one group as wide as the row) need no row-wide buffer. (Pieces
+ * of several 32-column groups, each widened with its scale, measured no faster at 8 rows.) */
 static inline __attribute__((always_inline)) void row_product(
     const void *qrow, const uint16_t *sc, const uint16_t *mn, const float *x, float *y,
     int64_t out_f, int64_t o, int64_t padded_in, int64_t gsize, int bits, float *w, const int R)
@@ -144,19 +145,61 @@ static inline __attribute__((always_inline)) void row_product(
     for (int r = 0; r < R; r++) y[r * out_f + o] = sum8(acc[r]) + tail[r];
 }
 
-/* int8, one row: a dot product per group with the scale applied to its sum, no buffer -- the
- * int8 widening is one instruction, and through a buffer one row ran 1.7x slower. */
+/* int8, one row: no buffer -- the int8 widening is one instruction, and through a buffer one
+ * row ran 1.7x slower. Groups of a multiple of 8 columns: each group's products gather in 4
+ * vector partial sums (independent chains: one chain waits on its multiply-add's latency),
+ * the group's scale multiplies them into a vector accumulator, and the row's sum is taken once
+ * at its end. A sum per group instead (the loop before: a horizontal sum every 32 columns for
+ * llama.cpp's Q8_0 groups) made group-32 int8 1.7x slower than per-channel at one row on the
+ * 1B shapes; now 1.2x (docs/benchmarks/int8.md). Other group widths: a scalar dot product per
+ * group. */
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline v8 widen8_q8(const int8_t *q)  /* GCC 12 scalarised the vector-extension form */
+{
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+#else
+static inline v8 widen8_q8(const int8_t *q)
+{
+    v8i8 qv;
+    memcpy(&qv, q, sizeof qv);
+    return __builtin_convertvector(__builtin_convertvector(qv, v8i), v8);  /* via int32 lanes */
+}
+#endif
+
 static void q8_one_row(const int8_t *qw, const uint16_t *scales, const float *x, float *y,
                        int64_t padded_in, int64_t gsize, int64_t o_begin, int64_t o_end)
 {
-    const int64_t groups = padded_in / gsize;
+    const int64_t groups = padded_in / gsize, wide = gsize & ~(int64_t)31;
     for (int64_t o = o_begin; o < o_end; o++) {
         const int8_t *q = qw + o * padded_in;
+        const uint16_t *sc = scales + o * groups;
+        if (gsize % 8 == 0) {
+            v8 acc = {0};
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t j0 = g * gsize;
+                v8 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+                for (int64_t j = j0; j < j0 + wide; j += 32) {
+                    p0 += widen8_q8(q + j) * load8(x + j);
+                    p1 += widen8_q8(q + j + 8) * load8(x + j + 8);
+                    p2 += widen8_q8(q + j + 16) * load8(x + j + 16);
+                    p3 += widen8_q8(q + j + 24) * load8(x + j + 24);
+                }
+                for (int64_t j = j0 + wide; j < j0 + gsize; j += 8)
+                    p0 += widen8_q8(q + j) * load8(x + j);
+                acc += ((p0 + p1) + (p2 + p3)) * half_to_float(sc[g]);
+            }
+            y[o] = sum8(acc);
+            continue;
+        }
         float acc = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
             float part = 0.0f;
             for (int64_t j = g * gsize; j < (g + 1) * gsize; j++) part += (float)q[j] * x[j];
-            acc += half_to_float(scales[o * groups + g]) * part;
+            acc += half_to_float(sc[g]) * part;
         }
         y[o] = acc;
     }
