@@ -23,16 +23,34 @@ import collections
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from offload.blocks import ParamSlot
+from offload.blocks import Block, ParamSlot
 from offload.gpu import host_delay, host_event, on_stream, side_stream_delay
-from offload.tiers import MemoryAccount, PlanBytes, host_empty, no_pinning
+from offload.tiers import LinkCounter, MemoryAccount, PlanBytes, host_empty, no_pinning
 
-if TYPE_CHECKING:
-    from offload.grads import GradLanding
+
+class Landing(Protocol):
+    """What a transport needs of the gradients' bookkeeping (offload/grads.py's GradLanding
+    passes itself): the blocks and dtypes, where a block's gradient lands, and the host part
+    of landing one (the add, the norm, the block-done callback)."""
+    blocks: Sequence[Block]
+    grad_dtype: torch.dtype
+    landing_dtype: torch.dtype
+    accum_steps: int
+    micro: int
+    d2h: LinkCounter
+
+    @property
+    def is_last_micro(self) -> bool: ...
+
+    def buffer(self, bi: int) -> torch.Tensor: ...
+
+    def land_host(self, bi: int, slot: ParamSlot, src: torch.Tensor, first: bool) -> bool: ...
+
+    def after_land(self, bi: int, slot: ParamSlot) -> None: ...
 
 # On CUDA, device gradients waiting for their copy to the host are bounded to this many of the
 # largest block's gradients: past it the hook waits for the oldest copy (back-pressure), so the
@@ -45,7 +63,7 @@ class Inline:
     cuda = False
     stream = None
 
-    def __init__(self, landing: "GradLanding"):
+    def __init__(self, landing: Landing):
         self.landing = landing
         self.block_event: dict[int, "torch.cuda.Event"] = {}  # none: nothing runs async
 
@@ -67,7 +85,7 @@ class Inline:
 class Cuda:
     cuda = True
 
-    def __init__(self, landing: "GradLanding", device: torch.device, pin: bool,
+    def __init__(self, landing: Landing, device: torch.device, pin: bool,
                  account: MemoryAccount):
         self.landing = landing
         self.device = device

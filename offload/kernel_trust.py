@@ -152,11 +152,11 @@ def _check_in_children(probe: str, cases: list[Case]) -> dict[Case, str | None]:
         try:
             res = subprocess.run([sys.executable, "-m", "offload.kernel_trust"], input=request,
                                  capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
-            stdout, rc, died = res.stdout, res.returncode, _how_it_ended(res.returncode)
+            stdout, died = res.stdout, _how_it_ended(res.returncode)
             tail = res.stderr.strip().splitlines()[-1:] or [""]
         except subprocess.TimeoutExpired as exc:
             stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            rc, died, tail = -1, f"hung (no answer in {CHILD_TIMEOUT_S:.0f} s)", [""]
+            died, tail = f"hung (no answer in {CHILD_TIMEOUT_S:.0f} s)", [""]
         started, done = False, 0
         for line in stdout.splitlines():
             if line == "READY":

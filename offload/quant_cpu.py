@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from offload import cbuild, kernel_trust
+from offload.quant_format import QuantSpec, dequantize, quantize
 
 ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes unmeasured (module docstring)
 # beyond ROWS_MAX, up to this many rows, only where quant.kernel_for measured it faster than the
@@ -74,7 +75,6 @@ class _Lib:
 
 
 def _self_check(lib: _Lib) -> str | None:
-    from offload.quant import QuantSpec, dequantize, quantize
     gen = torch.Generator().manual_seed(7)
     # the last two span several of the blocked loop's 512-column pieces
     for spec, in_f in ((QuantSpec(8, 0), 96), (QuantSpec(8, 32), 100), (QuantSpec(4, 64), 150),

@@ -34,7 +34,8 @@ from offload.planner import (MODES, Links, measure_links, plan_inference, stream
                              workspace_bytes)
 from offload.models import kernels, load_streamed
 from offload.models.quantized import QuantSettings, load_quantized_streamed, quantized_block_bytes
-from offload.quant import QuantError, kernels_run
+from offload.quant import kernels_run
+from offload.quant_format import QuantError
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_args, add_device_args,
@@ -42,6 +43,7 @@ from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_arg
                             run_main, select_device, select_dtype, writable_dir)
 from runners.infer_lora import add_adapter_arg, attach_adapter, check_adapter
 from runners.infer_quant import convert_quantized, quant_scratch, quant_source
+from runners.report import kernels_line
 
 DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
 MAX_BATCH = 1 << 16  # one prompt is repeated this many times in memory before any plan
@@ -575,26 +577,10 @@ def _report(m: dict) -> None:
           file=sys.stderr)
     print(f"peak memory: device {format_bytes(m['peak_device_bytes'])}, host (RSS) "
           f"{format_bytes(m['peak_host_bytes'])}", file=sys.stderr)
-    line = _kernels_line(m["kernels"])
+    line = kernels_line(m["kernels"])
     if line:
         print(line, file=sys.stderr)
 
-
-def _kernels_line(k: dict) -> str:
-    """`kernels: quantized products c 1320, fused 240 | checked on this CPU: fused int8 4 shapes
-    trusted, 1 refused (in 72 out 45: the check was killed by SIGSEGV on this case)`."""
-    calls = ", ".join(f"{name} {n}" for name, n in sorted(k["quantized_calls"].items()))
-    checked = []
-    for probe, cases in sorted(k["checked"].items()):
-        bad = {case: why for case, why in cases.items() if why != "trusted"}
-        text = f"{probe.rsplit(':', 1)[-1]} {len(cases) - len(bad)} trusted"
-        if bad:
-            case, why = next(iter(bad.items()))
-            text += f", {len(bad)} refused ({case}: {why})"
-        checked.append(text)
-    parts = ([f"quantized products {calls}"] if calls else []) + (
-        [f"checked on this CPU: {'; '.join(checked)}"] if checked else [])
-    return "kernels: " + " | ".join(parts) if parts else ""
 
 
 def entry() -> None:

@@ -13,7 +13,8 @@ from offload.config import format_bytes
 from offload.models import ModelConfig, block_parameter_shapes
 from offload.models.quantized import (QuantizedBlocks, QuantSettings, gguf_types, projection_specs,
                                       quantize_checkpoint)
-from offload.quant import QuantError, workspace_bytes
+from offload.quant import workspace_bytes
+from offload.quant_format import QuantError
 from offload.tiers import disk_free_bytes
 from runners.common import RunnerError, writable_dir
 

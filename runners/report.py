@@ -251,3 +251,20 @@ def truncate_metrics(path: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.writelines(keep)
     os.replace(tmp, path)
+
+
+def kernels_line(k: dict) -> str:
+    """`kernels: quantized products c 1320, fused 240 | checked on this CPU: fused int8 4 shapes
+    trusted, 1 refused (in 72 out 45: the check was killed by SIGSEGV on this case)`."""
+    calls = ", ".join(f"{name} {n}" for name, n in sorted(k["quantized_calls"].items()))
+    checked = []
+    for probe, cases in sorted(k["checked"].items()):
+        bad = {case: why for case, why in cases.items() if why != "trusted"}
+        text = f"{probe.rsplit(':', 1)[-1]} {len(cases) - len(bad)} trusted"
+        if bad:
+            case, why = next(iter(bad.items()))
+            text += f", {len(bad)} refused ({case}: {why})"
+        checked.append(text)
+    parts = ([f"quantized products {calls}"] if calls else []) + (
+        [f"checked on this CPU: {'; '.join(checked)}"] if checked else [])
+    return "kernels: " + " | ".join(parts) if parts else ""

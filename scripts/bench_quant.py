@@ -48,7 +48,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offload import quant, quant_cpu  # noqa: E402
-from offload.quant import QuantSpec, dequantize, kernel_for, quant_linear, quantize  # noqa: E402
+from offload.quant import kernel_for, quant_linear  # noqa: E402
+from offload.quant_format import QuantSpec, dequantize, quantize  # noqa: E402
 from offload.tiers import cpu_model  # noqa: E402
 
 LLAMA_1B = ["2048x2048", "8192x2048", "2048x8192"]  # q/o, gate/up, down (out x in)

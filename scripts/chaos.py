@@ -36,7 +36,6 @@ outside kill can be attributed to a phase. Each launch's output goes to WORKDIR/
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import random
@@ -47,7 +46,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from chaos_common import REPO, compare_runs, finetune_args, run_env
+
 KILL_ENV = "OFFLOAD_CHAOS_KILL"    # "phase:n:when" — armed in the child
 PHASE_ENV = "OFFLOAD_CHAOS_PHASE"  # path of the phase file the child keeps current
 PHASE_BYTES = 64
@@ -235,17 +235,6 @@ class Campaign:
         return [x for x in self.launches if x.resumed]
 
 
-def finetune_args(output: str, steps: int, save_every: int, seed: int, extra: list[str]) -> list[str]:
-    return ["--offload", "nvme", "--output", output, "--steps", str(steps), "--save-every",
-            str(save_every), "--seed", str(seed), "--no-progress"] + extra
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def checkpoint_step(output: str) -> int | None:
     """The update of the complete checkpoint a resume would load, or None."""
     sys.path.insert(0, REPO)
@@ -322,7 +311,7 @@ def run_launch(cmd: list[str], plan: str, log: str, phase_file: str, timeout: fl
                job: bool = False) -> tuple[int, str]:
     """`job`: cmd is a launcher with children (torchrun): a kill is a SIGKILL of the launcher and
     every rank at once (kill_job)."""
-    env = _env()
+    env = run_env()
     env[PHASE_ENV] = phase_file
     if os.path.exists(phase_file):
         os.unlink(phase_file)  # the previous launch's last phase must not be read as this one's
@@ -376,53 +365,6 @@ def _read_phase(path: str) -> str:
         return "?"
 
 
-def compare_runs(ref: str, got: str) -> list[str]:
-    """Differences between two finished runs' results (empty: bit-identical)."""
-    problems: list[str] = []
-
-    def files(d: str) -> list[str]:
-        return sorted(f for f in os.listdir(d) if f.endswith((".safetensors", ".json"))) \
-            if os.path.isdir(d) else []
-
-    for sub in ("checkpoint/engine", "checkpoint/model", "model"):
-        a, b = os.path.join(ref, sub), os.path.join(got, sub)
-        if files(a) != files(b) or not files(a):
-            problems.append(f"{sub}: files differ: {files(a)} vs {files(b)}")
-            continue
-        for name in files(a):
-            with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
-                if fa.read() != fb.read():
-                    problems.append(f"{sub}/{name}: bytes differ")
-    ta, tb = (json.load(open(os.path.join(d, "checkpoint", "trainer_state.json"))) for d in (ref, got))
-    for key in sorted(set(ta) | set(tb)):
-        if key != "args" and ta.get(key) != tb.get(key):
-            problems.append(f"trainer_state.json: {key!r} differs")
-    rows_ref = _metric_rows(ref)
-    rows_got = _metric_rows(got)
-    if sorted(rows_ref) != sorted(rows_got):
-        problems.append(f"metrics.jsonl: steps {sorted(rows_ref)} vs {sorted(rows_got)}")
-    for step, seen in rows_got.items():
-        want = rows_ref.get(step, [None])[0]
-        for row in seen:
-            if row != want:
-                problems.append(f"metrics.jsonl step {step}: {row} (logged {len(seen)}x) vs "
-                                f"reference {want}")
-                break
-    return problems
-
-
-def _metric_rows(out: str) -> dict[int, list[dict]]:
-    rows: dict[int, list[dict]] = {}
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            # timing fields differ by nature; everything computed must not
-            key = {k: r.get(k) for k in ("loss", "lr", "grad_norm", "eval_loss", "applied",
-                                         "loss_scale")}
-            rows.setdefault(int(r["step"]), []).append(key)
-    return rows
-
-
 def launcher(ranks: int) -> list[str]:
     """The command prefix that runs a Python program: the interpreter, or torchrun with `ranks`
     ranks on a free port (each launch its own: a killed job's port may still be held)."""
@@ -451,7 +393,7 @@ def run_campaign(workdir: str, kills: int, steps: int, save_every: int, seed: in
     camp = Campaign()
     t0 = time.perf_counter()
     r = subprocess.run(launcher(ranks) + ["-m", "runners.finetune"]
-                       + finetune_args(ref, steps, save_every, seed, extra), env=_env(),
+                       + finetune_args(ref, steps, save_every, seed, extra), env=run_env(),
                        cwd=REPO, capture_output=True, text=True, timeout=launch_timeout)
     camp.reference_s = time.perf_counter() - t0
     if r.returncode != 0:

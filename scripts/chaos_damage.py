@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from chaos import REPO, _env, compare_runs, finetune_args
+from chaos_common import REPO, compare_runs, finetune_args, run_env
 
 DAMAGES = ("byte", "nan", "truncate")
 
@@ -77,7 +77,7 @@ def run_damage_campaign(workdir: str, runs: int, steps: int, save_every: int, se
     shutil.rmtree(ref, ignore_errors=True)
     base = [sys.executable, "-m", "runners.finetune"]
     t0 = time.perf_counter()
-    r = subprocess.run(base + finetune_args(ref, steps, save_every, seed, extra), env=_env(),
+    r = subprocess.run(base + finetune_args(ref, steps, save_every, seed, extra), env=run_env(),
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     ref_s = time.perf_counter() - t0
     if r.returncode != 0:
@@ -91,7 +91,7 @@ def run_damage_campaign(workdir: str, runs: int, steps: int, save_every: int, se
         delay = rng.uniform(0.3, 0.85) * ref_s
         t = time.perf_counter()
         proc = subprocess.Popen(base + finetune_args(out, steps, save_every, seed, extra),
-                                env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                                env=run_env(), cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         what = "the run ended before the damage"
         while proc.poll() is None and time.perf_counter() - t < delay:

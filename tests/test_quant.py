@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from offload import kernel_trust, quant, quant_cpu
-from offload.quant import (QuantError, QuantSpec, dequantize, from_gguf, fused_applies, kernel_for,
-                           packed_bytes, quant_linear, quantize)
+from offload import kernel_trust, quant, quant_cpu, quant_format
+from offload.quant import fused_applies, kernel_for, quant_linear
+from offload.quant_format import QuantError, QuantSpec, dequantize, from_gguf, packed_bytes, quantize
 
 SPECS = [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(8, 7), QuantSpec(4, 32), QuantSpec(4, 8)]
 
@@ -131,7 +131,7 @@ def test_quantize_chunks_rows_without_changing_the_result(monkeypatch):
     w = torch.randn(37, 50, generator=torch.Generator().manual_seed(1))
     for spec in (QuantSpec(8, 16), QuantSpec(4, 16)):
         whole = quantize(w, spec)
-        monkeypatch.setattr(quant, "QUANTIZE_CHUNK_ELEMENTS", 200)  # 3 rows per step
+        monkeypatch.setattr(quant_format, "QUANTIZE_CHUNK_ELEMENTS", 200)  # 3 rows per step
         chunked = quantize(w, spec)
         monkeypatch.undo()
         assert all(torch.equal(whole[k], chunked[k]) for k in whole)

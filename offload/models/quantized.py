@@ -1,8 +1,8 @@
 """Quantized decoder blocks: int8 / int4 projection weights that travel as they are stored.
 
 `--quantize int8|int4` replaces the seven projections of every decoder layer by `QuantLinear`s
-whose weights are group-wise codes plus fp16 scales (offload/quant.py has the format and the
-matmul). The layers are converted once, block by block, into a cache directory of one
+whose weights are group-wise codes plus fp16 scales (offload/quant_format.py has the format,
+offload/quant.py the matmul). The layers are converted once, block by block, into a cache directory of one
 4 KiB-aligned safetensors file per block (the NVMe tier's format), and reused on later runs:
 
     <cache>/quant/<model>-<key>/block_00000.safetensors ... manifest.json
@@ -21,7 +21,7 @@ no conversion on the way, and binds each parameter as a view of its own dtype. E
 final norm and the head stay in the compute dtype.
 
 A GGUF source's Q8_0 tensors (for int8) and Q4_0 / Q4_1 tensors (for int4) are taken as they
-are (`quant.from_gguf`: group size 32, the same values exactly), never round-tripped through 16
+are (`quant_format.from_gguf`: group size 32, the same values exactly), never round-tripped through 16
 bits; other tensors are quantized from their dequantized values.
 """
 
@@ -40,8 +40,8 @@ from nvme.format import FormatError, read_header, write_file, write_json_atomic
 from nvme.io import IOEngine
 from offload.block_layout import TensorRange
 from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix
-from offload.quant import (QuantError, QuantSpec, check_kernels, from_gguf, packed_bytes, quant_linear,
-                           quantize)
+from offload.quant import check_kernels, quant_linear
+from offload.quant_format import QuantError, QuantSpec, from_gguf, packed_bytes, quantize
 
 FORMAT_VERSION = 1
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -56,7 +56,7 @@ GGUF_TAKEN = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}  # GGUF types kept as
 
 
 def part_shapes(out_f: int, in_f: int, spec: QuantSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{part name: (shape, dtype)} of one quantized weight (the layout offload/quant.py makes)."""
+    """{part name: (shape, dtype)} of one quantized weight (the layout offload/quant_format.py makes)."""
     groups, padded = spec.groups(in_f), spec.padded_in(in_f)
     if spec.bits == 8:
         return {"qweight": ((out_f, padded), torch.int8), "scales": ((out_f, groups), torch.float16)}
@@ -65,7 +65,7 @@ def part_shapes(out_f: int, in_f: int, spec: QuantSpec) -> dict[str, tuple[tuple
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W kept as group-wise codes and scales (offload/quant.py). The
+    """y = x @ W^T (+ bias) with W kept as group-wise codes and scales (offload/quant_format.py). The
     parts are parameters (requires_grad False) so that the block streamer binds them like any
     weight; they are made on meta and given storage by the streamer."""
 
