@@ -59,6 +59,26 @@ def test_resume_is_exact(mode, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+FIXTURE_BEFORE_LAYOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
+                                     "run_before_layout")
+
+
+def test_a_run_saved_before_the_layout_move_resumes_exactly(tmp_path):
+    """A run stopped after 3 of 6 updates and saved by the code before issue 32's package move
+    (tests/fixtures/run_before_layout/README.md): resumed by today's code, it ends with the
+    losses and the engine state, bit for bit, of a fresh run of the same command."""
+    import shutil
+    args = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0",
+            "--no-progress", "--warmup-steps", "2", "--offload", "nvme"]
+    part, full = str(tmp_path / "part"), str(tmp_path / "full")
+    shutil.copytree(FIXTURE_BEFORE_LAYOUT, part)
+    assert main(args + ["--output", part, "--resume", part]) == 0
+    assert main(args + ["--output", full]) == 0
+    assert _losses(part) == _losses(full) and len(_losses(full)) == 6
+    a, b = _engine_state(full), _engine_state(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_an_update_weighs_every_target_token_alike(tmp_path):
     """Chat data, whose packed rows hold different numbers of answer tokens: an update is the
     gradient of the mean over all its target tokens, so how the batch is cut into micro-batches
