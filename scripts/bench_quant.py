@@ -145,11 +145,14 @@ def run_case(out_f: int, in_f: int, rows: int, act: torch.dtype, repeats: int, c
             name = f"{label} chunk" + (f"@{mib}M" if mib else "")
             fns[name], refs[name] = chunked, deq
 
-        if quant.fused_applies(spec, in_f, x.reshape(-1, in_f)) or (fused_fp32 and spec.bits == 8 and spec.group_size == 0
-                                                                    and rows == 1 and in_f % 8 == 0):
-            def fused(c=cold):
+        if quant.fused_applies(spec, in_f, x.reshape(-1, in_f), out_f):  # checked on this CPU
+            fns[f"{label} fused"] = lambda c=cold, s=spec: quant_linear(x, c(), s, in_f, kernel="fused")
+            refs[f"{label} fused"] = deq
+        elif fused_fp32 and spec.bits == 8 and spec.group_size == 0 and rows == 1 and in_f % 16 == 0:
+            def fused(c=cold):  # fp32 x: torch's scalar path, timed directly (never chosen)
                 p = c()
-                return torch.ops.aten._weight_int8pack_mm(x, p["qweight"], p["scales"].view(-1).to(x.dtype))
+                ones = torch.ones(out_f, dtype=x.dtype)
+                return torch.ops.aten._weight_int8pack_mm(x, p["qweight"], ones) * p["scales"].view(-1).to(x.dtype)
             fns[f"{label} fused"], refs[f"{label} fused"] = fused, deq
         if quant_cpu.applies(spec, in_f, x.reshape(-1, in_f)):  # the C few-row loop
             fns[f"{label} c"] = lambda c=cold, s=spec: quant_linear(x, c(), s, in_f, kernel="c")
