@@ -206,7 +206,7 @@ def _check_quant_flags(args: argparse.Namespace) -> None:
     """--group-size and --cache-dir belong to --quantize; a group size the format cannot take
     is one line."""
     from offload.models.quantized import QuantSettings
-    from offload.quant_format import QuantError
+    from offload.quant.format import QuantError
 
     if args.quantize == "none":
         for flag, value in (("--group-size", args.group_size), ("--cache-dir", args.cache_dir)):

@@ -100,7 +100,7 @@ class DequantizedLayers:
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The tensor `name` (a checkpoint name) in `dtype`, or None outside the layers."""
-        from offload.quant_format import dequantize
+        from offload.quant.format import dequantize
 
         if not name.startswith("model.layers."):
             return None

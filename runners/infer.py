@@ -34,8 +34,8 @@ from offload.planner import (MODES, Links, measure_links, plan_inference, stream
                              workspace_bytes)
 from offload.models import kernels, load_streamed
 from offload.models.quantized import QuantSettings, load_quantized_streamed, quantized_block_bytes
-from offload.quant import kernels_run
-from offload.quant_format import QuantError
+from offload.quant.matmul import kernels_run
+from offload.quant.format import QuantError
 from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_args, add_device_args,

@@ -1,6 +1,6 @@
 """runners.infer's --quantize: which spec each projection gets, the cached conversion (with a
 disk check and a progress bar only when something is converted), and the quantized matmul's
-transient bytes for the plan. The mechanisms are offload/quant.py and offload/models/quantized.py."""
+transient bytes for the plan. The mechanisms are offload/quant/ and offload/models/quantized.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from offload.config import format_bytes
 from offload.models import ModelConfig, block_parameter_shapes
 from offload.models.quantized import (QuantizedBlocks, QuantSettings, gguf_types, projection_specs,
                                       quantize_checkpoint)
-from offload.quant import workspace_bytes
-from offload.quant_format import QuantError
+from offload.quant.matmul import workspace_bytes
+from offload.quant.format import QuantError
 from offload.tiers import disk_free_bytes
 from runners.common import RunnerError, writable_dir
 
@@ -62,7 +62,7 @@ def convert_quantized(args, cfg, reader, dtype, quant) -> QuantizedBlocks:
 
 
 def quant_scratch(cfg, quant, batch: int, context: int, new_tokens: int, device, dtype) -> int:
-    """The quantized matmul's transient bytes (offload/quant.py workspace_bytes) for the widest
+    """The quantized matmul's transient bytes (offload/quant/matmul.py workspace_bytes) for the widest
     projection at the prefill's rows: dequantized chunks, padded inputs, transposed outputs."""
     if quant is None:
         return 0

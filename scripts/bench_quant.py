@@ -1,4 +1,4 @@
-"""Benchmark the kernels of offload.quant.quant_linear against dense F.linear on this CPU.
+"""Benchmark the kernels of offload.quant.matmul.quant_linear against dense F.linear on this CPU.
 
 For each weight shape (out x in), number of rows and activation dtype (fp32, bf16), every kernel
 runs round-robin, one call of each per round, each call on one of several copies of its weight
@@ -13,7 +13,7 @@ decode step: the weight comes from memory, the kernel's scratch stays warm); med
   <spec> chunk        (b) quant_linear's chunked kernel (dequantize a few MB of rows, multiply)
   <spec> fused        (c) torch.ops.aten._weight_int8pack_mm (per-channel int8; bf16 x only:
                       its fp32 path is scalar, see --fused-fp32)
-  <spec> c            offload/quant_cpu.py's C loop (1-64 rows; from 9 its register-blocked loop)
+  <spec> c            offload/quant/cpu.py's C loop (1-64 rows; from 9 its register-blocked loop)
   <spec> c8           the same library's 8-row tiles, for 9+ rows (what the blocked loop replaced)
   int4 pack+mm        (c) torch.ops.aten._weight_int4pack_mm_for_cpu, bf16 x, our packed rows
                       converted (_convert_weight_to_int4pack_for_cpu) in every call
@@ -47,9 +47,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload import quant, quant_cpu  # noqa: E402
-from offload.quant import kernel_for, quant_linear  # noqa: E402
-from offload.quant_format import QuantSpec, dequantize, quantize  # noqa: E402
+from offload.quant import cpu as quant_cpu  # noqa: E402
+from offload.quant import matmul as quant  # noqa: E402
+from offload.quant.matmul import kernel_for, quant_linear  # noqa: E402
+from offload.quant.format import QuantSpec, dequantize, quantize  # noqa: E402
 from offload.tiers import cpu_model  # noqa: E402
 
 LLAMA_1B = ["2048x2048", "8192x2048", "2048x8192"]  # q/o, gate/up, down (out x in)

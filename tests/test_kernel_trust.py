@@ -10,10 +10,12 @@ import subprocess
 import pytest
 import torch
 
-from offload import cbuild, kernel_trust, quant, quant_cpu
+from offload import cbuild, kernel_trust
+from offload.quant import cpu as quant_cpu
+from offload.quant import matmul as quant
 from offload.models.quantized import PER_CHANNEL
-from offload.quant import quant_linear
-from offload.quant_format import QuantError, QuantSpec, dequantize, quantize
+from offload.quant.matmul import quant_linear
+from offload.quant.format import QuantError, QuantSpec, dequantize, quantize
 
 PROBE = "trust_probes:behave"
 

@@ -17,7 +17,7 @@ from offload.lora import (ALL_TARGETS, LoraConfig, LoraError, LoraLinear, apply_
                           merge_lora, parse_targets, save_adapter)
 from offload.models import save_pretrained
 from offload.models.quantized import QuantLinear
-from offload.quant_format import QuantSpec, quantize
+from offload.quant.format import QuantSpec, quantize
 from tests.test_models import hf_pair
 
 peft = pytest.importorskip("peft")

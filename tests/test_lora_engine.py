@@ -161,7 +161,7 @@ def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
     from offload.models import CheckpointReader, save_pretrained
     from offload.models.quantized import (QuantizedSource, QuantSettings, block_file,
                                           quantize_checkpoint, quantize_layers)
-    from offload.quant_format import dequantize
+    from offload.quant.format import dequantize
 
     cfg_model = preset("tiny")
     lora = LoraConfig(rank=4, alpha=8, targets=("q", "v", "down"))

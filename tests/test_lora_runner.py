@@ -238,7 +238,7 @@ def _dequantized_base(base: str, cache: str, out) -> str:
     hold the int4 blocks' dequantized weights (what PEFT merges a QLoRA adapter into)."""
     from offload.models import CheckpointReader
     from offload.models.quantized import QuantSettings, quantize_checkpoint
-    from offload.quant_format import dequantize
+    from offload.quant.format import dequantize
 
     with CheckpointReader(base) as reader:  # the run's conversion, found in the cache
         blocks = quantize_checkpoint(reader, QuantSettings("int4", 32), torch.float32, cache_root=cache)

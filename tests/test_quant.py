@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from offload import kernel_trust, quant, quant_cpu, quant_format
-from offload.quant import fused_applies, kernel_for, quant_linear
-from offload.quant_format import QuantError, QuantSpec, dequantize, from_gguf, packed_bytes, quantize
+from offload import kernel_trust
+from offload.quant import cpu as quant_cpu
+from offload.quant import format as quant_format
+from offload.quant import matmul as quant
+from offload.quant.matmul import fused_applies, kernel_for, quant_linear
+from offload.quant.format import QuantError, QuantSpec, dequantize, from_gguf, packed_bytes, quantize
 
 SPECS = [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(8, 7), QuantSpec(4, 32), QuantSpec(4, 8)]
 
@@ -381,7 +384,7 @@ def test_odd_widths_empty_batches_and_autograd():
 @pytest.mark.parametrize("spec", [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 64), QuantSpec(4, 32)],
                          ids=lambda sp: f"int{sp.bits}g{sp.group_size}")
 def test_c_rows_kernel_split_over_threads(spec):
-    """The C few-row kernel (offload/quant_cpu.py) on a weight big enough to be split over
+    """The C few-row kernel (offload/quant/cpu.py) on a weight big enough to be split over
     threads: equal to x @ dequantize(W)^T to float rounding, and the same bits however many
     threads share the rows; the kernel choice takes it for decode-sized inputs only."""
     if quant_cpu.library() is None:
@@ -443,7 +446,7 @@ def test_loading_the_kernels_keeps_subnormals():
     import sys
     code = (
         "import threading, torch\n"
-        "from offload import optim, quant_cpu\n"
+        "from offload import optim\nfrom offload.quant import cpu as quant_cpu\n"
         "assert quant_cpu.library() is not None, quant_cpu.status()\n"
         "optim._load_kernel()\n"
         "tiny = torch.tensor([1e-40]) * 1\n"

@@ -16,7 +16,7 @@ from offload.models import CheckpointReader, build_model, load_model, preset, sa
 from offload.models.quantized import (PER_CHANNEL, PROJECTIONS, QuantLinear, QuantSettings, block_file, cache_key,
                                       checkpoint_source, convert_blocks, load_quantized_streamed,
                                       projection_specs, quantized_block_bytes, source_identity)
-from offload.quant_format import QuantSpec, dequantize
+from offload.quant.format import QuantSpec, dequantize
 
 CFG = preset("tiny")
 

@@ -1,5 +1,5 @@
 /*
- * Few-row products with group-wise quantized weights, read once (see offload/quant_cpu.py).
+ * Few-row products with group-wise quantized weights, read once (see offload/quant/cpu.py).
  *
  * Why a hand-written loop: for decode (1-8 rows) the product is bound by reading the weight.
  * torch can only dequantize a chunk into a float buffer and multiply it there: five passes over
@@ -25,7 +25,7 @@
  * each group to [even columns | odd columns], so both nibble streams meet contiguous x. Scales
  * and mins arrive as their stored fp16 bits. Each call computes output rows [o_begin, o_end): the Python side
  * splits the rows over threads (ctypes drops the GIL), as offload/models/kernels.py does.
- * Built with -O3 -fassociative-math (not -ffast-math: offload/quant_cpu.py says why): the sums
+ * Built with -O3 -fassociative-math (not -ffast-math: offload/quant/cpu.py says why): the sums
  * are reassociated (vectorised); results differ from the
  * dequantize-then-matmul reference by float rounding only, and do not depend on the split.
  */
@@ -260,9 +260,9 @@ static int rows_product(int bits, const uint8_t *q, const uint16_t *scales, cons
  * the broadcast form (x transposed, each weight element broadcast against 8 rows at once) was
  * 1.2-1.3x slower. */
 #define KC 512  /* columns per piece (whole groups; int8 slices wider groups) */
-#define OB 6    /* output rows per block (quant_cpu.TILE_OUT_ROWS) */
-#define RB 2    /* x rows per tile (quant_cpu.TILE_X_ROWS) */
-#define BLOCKED_ROWS_MAX 64  /* quant_cpu.ROWS_MEASURED_MAX */
+#define OB 6    /* output rows per block (quant/cpu.py TILE_OUT_ROWS) */
+#define RB 2    /* x rows per tile (quant/cpu.py TILE_X_ROWS) */
+#define BLOCKED_ROWS_MAX 64  /* quant/cpu.py ROWS_MEASURED_MAX */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -371,7 +371,7 @@ static int rows_blocked(int bits, const uint8_t *q, const uint16_t *scales, cons
 }
 
 /* The exported entry points: int8 and int4 (with mins), as the 8-row tiles and as the blocked
- * loop (quant_cpu._Lib binds all four). */
+ * loop (quant/cpu.py _Lib binds all four). */
 #define ENTRY_POINTS(suffix, impl)                                                                \
     int offload_q8_rows##suffix(const int8_t *qw, const uint16_t *scales, const float *x, float *y, \
                                 int64_t rows, int64_t out_f, int64_t padded_in, int64_t gsize,     \

@@ -37,7 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from offload.quant_cpu import helper_pool
+from offload.quant.cpu import helper_pool
 
 SMALL_ROWS_MAX = 32  # beyond this, x @ W^T is the efficient GEMM on every machine measured
 PROBE_BYTES = 64 << 20  # weight bytes read per timed call: beyond any L3 cache of these CPUs

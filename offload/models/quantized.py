@@ -1,8 +1,8 @@
 """Quantized decoder blocks: int8 / int4 projection weights that travel as they are stored.
 
 `--quantize int8|int4` replaces the seven projections of every decoder layer by `QuantLinear`s
-whose weights are group-wise codes plus fp16 scales (offload/quant_format.py has the format,
-offload/quant.py the matmul). The layers are converted once, block by block, into a cache directory of one
+whose weights are group-wise codes plus fp16 scales (offload/quant/format.py has the format,
+offload/quant/matmul.py the matmul). The layers are converted once, block by block, into a cache directory of one
 4 KiB-aligned safetensors file per block (the NVMe tier's format), and reused on later runs:
 
     <cache>/quant/<model>-<key>/block_00000.safetensors ... manifest.json
@@ -40,8 +40,8 @@ from nvme.format import FormatError, read_header, write_file, write_json_atomic
 from nvme.io import IOEngine
 from offload.block_layout import TensorRange
 from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix
-from offload.quant import check_kernels, quant_linear
-from offload.quant_format import QuantError, QuantSpec, from_gguf, packed_bytes, quantize
+from offload.quant.matmul import check_kernels, quant_linear
+from offload.quant.format import QuantError, QuantSpec, from_gguf, packed_bytes, quantize
 
 FORMAT_VERSION = 1
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -56,7 +56,7 @@ GGUF_TAKEN = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}  # GGUF types kept as
 
 
 def part_shapes(out_f: int, in_f: int, spec: QuantSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{part name: (shape, dtype)} of one quantized weight (the layout offload/quant_format.py makes)."""
+    """{part name: (shape, dtype)} of one quantized weight (the layout offload/quant/format.py makes)."""
     groups, padded = spec.groups(in_f), spec.padded_in(in_f)
     if spec.bits == 8:
         return {"qweight": ((out_f, padded), torch.int8), "scales": ((out_f, groups), torch.float16)}
@@ -65,7 +65,7 @@ def part_shapes(out_f: int, in_f: int, spec: QuantSpec) -> dict[str, tuple[tuple
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W kept as group-wise codes and scales (offload/quant_format.py). The
+    """y = x @ W^T (+ bias) with W kept as group-wise codes and scales (offload/quant/format.py). The
     parts are parameters (requires_grad False) so that the block streamer binds them like any
     weight; they are made on meta and given storage by the streamer."""
 

@@ -16,7 +16,7 @@ From 9 rows (BLOCKED_ROWS_MIN) to 64 (ROWS_MEASURED_MAX) a register-blocked loop
 multiply-adds, x packed here 8 columns at a time (`_pack_x`). The 8-row tiles re-read x from L2
 for every output row and widen the weight once per 8 rows; at 32-64 rows on the 1B shapes the
 blocked loop is 1.4-2.9x faster than them, 0.7-1.2x the time of the dense fp32 product (docs/
-BENCHMARKS.md). From 9 rows on, quant.kernel_for still times this library against the chunked
+BENCHMARKS.md). From 9 rows on, matmul.kernel_for still times this library against the chunked
 kernel on the weight, once per shape, and keeps the faster.
 
 Built with -O3 and reassociated sums (vectorised; not -ffast-math, see _FLAGS): results equal x @ dequantize(W)^T
@@ -35,16 +35,16 @@ import torch
 import torch.nn.functional as F
 
 from offload import cbuild, kernel_trust
-from offload.quant_format import QuantSpec, dequantize, quantize
+from offload.quant.format import QuantSpec, dequantize, quantize
 
 ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes unmeasured (module docstring)
-# beyond ROWS_MAX, up to this many rows, only where quant.kernel_for measured it faster than the
+# beyond ROWS_MAX, up to this many rows, only where matmul.kernel_for measured it faster than the
 # chunked kernel on the weight itself; the blocked loop's limit (BLOCKED_ROWS_MAX in the C file)
 ROWS_MEASURED_MAX = 64
 # from this many rows the register-blocked loop, where the group is a multiple of 8 columns (at
 # 8 rows the 8-row tile still won on the 1B shapes, at 12 and 16 the blocked loop: BENCHMARKS)
 BLOCKED_ROWS_MIN = 9
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemv.c"
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "quant_gemv.c"
 # Reassociated sums (vectorised), and nothing of -ffast-math beyond that: GCC links a -ffast-math
 # shared object with crtfastmath.o, whose constructor turns on flush-to-zero and
 # denormals-are-zero for the whole process when the library loads -- every subnormal in every
@@ -93,7 +93,7 @@ def _self_check(lib: _Lib) -> str | None:
     return None
 
 
-LIBRARY_PROBE = "offload.quant_cpu:check_library"  # the self-check, run in a child first
+LIBRARY_PROBE = "offload.quant.cpu:check_library"  # the self-check, run in a child first
 
 
 def check_library(case: tuple[str]) -> str | None:

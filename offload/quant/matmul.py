@@ -1,5 +1,5 @@
 """The quantized matmul: quant_linear computes x @ W^T for a weight W in the group-wise format
-of offload/quant_format.py, never through a dense copy of W. Kernels, measured side by side on this
+of offload/quant/format.py, never through a dense copy of W. Kernels, measured side by side on this
 project's 2-core AMD EPYC (Zen 3, AVX2, no AVX-512) by scripts/bench_quant.py (docs/BENCHMARKS.md;
 ms for the 1B Llama shapes 2048x2048 / 8192x2048 / 2048x8192, cold weights):
 - "chunked" (default): rows of W are dequantized a chunk at a time into a reused float32 buffer
@@ -29,7 +29,7 @@ ms for the 1B Llama shapes 2048x2048 / 8192x2048 / 2048x8192, cold weights):
   exactly either. Measured by the benchmark, not used here.
 - "dense": F.linear(x, dequantize(...)), the reference; 2.5-9x slower (a fresh fp32 copy of W).
 - "c": for 1-64 rows on the CPU, a C loop that reads each code byte once and multiplies it into
-  up to 8 rows at a time (offload/quant_cpu.py): the decode case, where the chunked kernel's
+  up to 8 rows at a time (offload/quant/cpu.py): the decode case, where the chunked kernel's
   passes over every element cost more than the dense product does (int4/g64, 2 threads: 1 row
   3.2-3.3 ms vs 17-19 chunked and 4.4-4.6 dense fp32; 8 rows 5.8-5.9 vs 28-32 and 13-18, for
   the 1B shapes). Taken whenever it applies and was built; from 9 rows to 64 its register-
@@ -46,8 +46,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from offload import kernel_trust, quant_cpu
-from offload.quant_format import QuantError, QuantSpec, check_parts, dequantize
+from offload import kernel_trust
+from offload.quant import cpu as quant_cpu
+from offload.quant.format import QuantError, QuantSpec, check_parts, dequantize
 
 FUSED_ROWS_MAX = 16  # fused vs chunked, bf16 x, 1B shapes: 16 rows 2.7/10.6/9.0 vs 3.5/12.6/11.0 ms; 32: slower
 CPU_CHUNK_BYTES = 4 << 20  # float32 chunk, <= MANY_ROWS rows: 1 row 1.5x faster than 1 or 16 MiB
@@ -66,7 +67,7 @@ def _override() -> str | None:
     return value
 
 
-FUSED_PROBE = "offload.quant:check_int8pack"  # kernel_trust's check of the fused kernel
+FUSED_PROBE = "offload.quant.matmul:check_int8pack"  # kernel_trust's check of the fused kernel
 
 
 def fused_applies(spec: QuantSpec, in_features: int, x2d: torch.Tensor, out_features: int) -> bool:
