@@ -6,8 +6,7 @@
     engine.step()
 """
 
-from offload.config import ConfigError, OffloadConfig
-from offload.config_import import from_deepspeed, load_config_file
+from offload.config import ConfigError, OffloadConfig, from_deepspeed, load_config_file
 from offload.engine import Engine, StepReport, initialize
 from offload.tiers import BudgetError
 

@@ -287,7 +287,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, world: int = 1
     """The config file (if any) as the base, explicit flags over it, defaults under both.
     `world`: data-parallel ranks (--batch-size is over all of them)."""
     from offload.config import OffloadConfig, combination_error
-    from offload.config_import import AutoValues, load_config_file
+    from offload.config import AutoValues, load_config_file
 
     per_rank = args.batch_size // world if args.batch_size else None
     mb = args.micro_batch_size or per_rank

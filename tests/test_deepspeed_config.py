@@ -14,7 +14,7 @@ import torch
 
 import offload
 from offload.config import ConfigError, OffloadConfig
-from offload.config_import import DEEPSPEED_INERT, AutoValues, from_deepspeed
+from offload.config import DEEPSPEED_INERT, AutoValues, from_deepspeed
 from offload.models import build_model, preset
 
 ZERO3 = {"stage": 3}

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload.config import ConfigError, OffloadConfig, parse_bytes
-from offload.config_import import from_deepspeed, load_config_file
+from offload.config import from_deepspeed, load_config_file
 from offload.tiers import BudgetError
 from offload.train_plan import plan_training
 

@@ -1,4 +1,5 @@
-"""One typed, validated configuration for the training engine, and the DeepSpeed-dict import.
+"""One typed, validated configuration for the training engine (OffloadConfig), the rules about
+which options go together, and building it from a dict, a DeepSpeed dict or a JSON file.
 
 Every field is checked in `__post_init__`, so a bad value fails where it is given, with a
 message that says what is wrong and what would be right — never later, deep in a run.
@@ -7,69 +8,18 @@ message that says what is wrong and what would be right — never later, deep in
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-import os
-import re
-import stat
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, get_args
+from typing import Any, Callable, Mapping
 
 import torch
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message says which and how to fix it."""
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str | None, what: str = "budget") -> int | None:
-    """'12GiB', '500MB', '1.5 GiB', 4096 -> bytes; None stays None (= no explicit budget)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a size like '12GiB' or a byte count, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0 or not math.isfinite(value):
-            raise ConfigError(f"{what}: must be a non-negative size, got {value!r}")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{what}: cannot read {value!r} as a size; write e.g. '12GiB', '500MB' "
-                          f"or a byte count")
-    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not math.isfinite(size):
-        raise ConfigError(f"{what}: {str(value)[:40]!r} is not a finite size")
-    return int(size)
-
-
-def format_bytes(n: int | float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DtypeName = Literal["fp32", "bf16", "fp16"]
-# where optimizer state (offload) or 16-bit weights (offload_params) live
-Placement = Literal["none", "cpu", "nvme"]
-PLACEMENTS: tuple[str, ...] = get_args(Placement)
-StepPathName = Literal["after", "overlapped", "delayed"]  # how the step meets backward
-# offload/grad_storage.py; "sharded": ZeRO stage 2's (offload/zero_grads.py), "double_sharded"
-# its two sets of shards for the delayed update
-GradStorageName = Literal["per_block", "pooled", "double", "adopted", "sharded", "double_sharded"]
-_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
-                  "half": "fp16"}
-
-
-def dtype_name(name: str) -> str:
-    key = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
-    if key not in DTYPES:
-        raise ConfigError(f"dtype: {name!r} is not supported; use one of {', '.join(DTYPES)}")
-    return key
+from offload.config.deepspeed import DEEPSPEED_TOP_KEYS, AutoValues, deepspeed_fields
+from offload.config.values import (DTYPES, PLACEMENTS, ConfigError, DtypeName, GradStorageName,
+                                   Placement, StepPathName, dtype_name, parse_bytes,
+                                   read_regular_file)
 
 
 @dataclass(frozen=True)
@@ -351,10 +301,7 @@ class OffloadConfig:
             raise ConfigError(f"config must be a dict, got {type(d).__name__}")
         if not all(isinstance(k, str) for k in d):
             raise ConfigError(f"config keys must be strings, got {sorted(map(repr, d))}")
-        # a DeepSpeed dict goes to its importer (offload/config_import.py), imported here on use:
-        # that module builds on this one, so a module-level import would be a cycle
-        from offload.config_import import DEEPSPEED_TOP_KEYS, from_deepspeed
-        if any(k in d for k in DEEPSPEED_TOP_KEYS):
+        if any(k in d for k in DEEPSPEED_TOP_KEYS):  # a DeepSpeed dict (config/deepspeed.py)
             return from_deepspeed(d)
         unknown = sorted(set(d) - set(cls.field_names()))
         if unknown:
@@ -369,18 +316,6 @@ class OffloadConfig:
         return dataclasses.asdict(self)
 
 
-def read_regular_file(path: str, max_bytes: int) -> bytes | None:
-    """The bytes of `path` when it is a regular file of at most `max_bytes`, else None (a FIFO,
-    a device like /dev/zero, a directory, something larger). OSError propagates."""
-    # O_NONBLOCK: a FIFO must not block the open; no effect on a regular file
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
-            return None
-        raw = f.read(max_bytes + 1)  # the file may have grown since fstat
-    return raw if len(raw) <= max_bytes else None
-
-
 def as_config(cfg: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:
     if cfg is None:
         return OffloadConfig()
@@ -389,6 +324,43 @@ def as_config(cfg: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:
     return OffloadConfig.from_dict(cfg)
 
 
-__all__ = ["OffloadConfig", "ConfigError", "CombinationRule", "COMBINATION_RULES",
-           "combination_error", "as_config", "parse_bytes", "format_bytes", "DTYPES",
-           "read_regular_file"]
+def from_deepspeed(ds: Mapping[str, Any], *, auto: AutoValues | None = None,
+                   notes: list[str] | None = None, **overrides: Any) -> OffloadConfig:
+    """Map a DeepSpeed config dict (ZeRO-Offload / ZeRO-Infinity keys) onto OffloadConfig.
+    auto: what "auto" values resolve to; notes: receives one line per inert key present (without
+    a list, each is a warning: a key is never dropped without a word)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+    fields, said = deepspeed_fields(ds, defaults, auto)
+    fields.update(overrides)
+    if notes is not None:
+        notes.extend(said)
+    else:  # a library caller gave no list: say it through warnings rather than not at all
+        for line in said:
+            warnings.warn(line, stacklevel=2)
+    return OffloadConfig(**fields)
+
+
+MAX_CONFIG_FILE_BYTES = 16 << 20
+
+
+def load_config_file(path: str, *, auto: AutoValues | None = None,
+                     notes: list[str] | None = None) -> OffloadConfig:
+    """A JSON file in our flat form or DeepSpeed's (see from_deepspeed for auto and notes)."""
+    try:
+        raw = read_regular_file(path, MAX_CONFIG_FILE_BYTES)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read ({e.strerror})") from None
+    if raw is None:
+        raise ConfigError(f"config file {path}: not a regular JSON file of at most "
+                          f"{MAX_CONFIG_FILE_BYTES} bytes")
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, 5000-digit integers
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise ConfigError(f"config file {path}: not valid JSON ({what})") from None
+    try:
+        if isinstance(d, Mapping) and any(k in d for k in DEEPSPEED_TOP_KEYS):
+            return from_deepspeed(d, auto=auto, notes=notes)
+        return OffloadConfig.from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None

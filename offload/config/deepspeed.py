@@ -1,17 +1,15 @@
-"""OffloadConfig from outside: DeepSpeed config dicts (ZeRO-Offload / ZeRO-Infinity keys) and
-JSON config files in either our flat form or DeepSpeed's. Every accepted DeepSpeed key is
-honoured or named; anything else is refused in one line (see the tables below)."""
+"""A DeepSpeed config dict (ZeRO-Offload / ZeRO-Infinity keys) as OffloadConfig's fields. Every
+accepted DeepSpeed key is honoured or named; anything else is refused in one line (see the
+tables below). This module knows the DeepSpeed keys and OffloadConfig's field names, not the
+class: `deepspeed_fields` returns the fields, config/options.py builds the config from them
+(and reads JSON files in either form)."""
 
 from __future__ import annotations
 
-import json
-import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from offload.config import ConfigError, OffloadConfig, read_regular_file
-
-MAX_CONFIG_FILE_BYTES = 16 << 20
+from offload.config.values import ConfigError
 
 
 # --- DeepSpeed JSON import ------------------------------------------------------------------
@@ -89,10 +87,11 @@ def _resolve(value: Any, auto_value: Any, default: Any = None) -> Any:
     return default
 
 
-def from_deepspeed(ds: Mapping[str, Any], *, auto: AutoValues | None = None,
-                   notes: list[str] | None = None, **overrides: Any) -> OffloadConfig:
-    """Map a DeepSpeed config dict (ZeRO-Offload / ZeRO-Infinity keys) onto OffloadConfig.
-    auto: what "auto" values resolve to; notes: receives one line per inert key present."""
+def deepspeed_fields(ds: Mapping[str, Any], defaults: Mapping[str, Any],
+                     auto: AutoValues | None = None) -> tuple[dict[str, Any], list[str]]:
+    """(OffloadConfig fields, one line per inert key present) for a DeepSpeed config dict.
+    defaults: OffloadConfig's field defaults (what an unresolved "auto" becomes); auto: what
+    "auto" values resolve to."""
     auto = auto or AutoValues()
     ds = _take(ds, DEEPSPEED_TOP_KEYS, "DeepSpeed config")
     if "scheduler" in ds:
@@ -102,25 +101,15 @@ def from_deepspeed(ds: Mapping[str, Any], *, auto: AutoValues | None = None,
     said: list[str] = []  # one line per inert key present
     _inert("", ds, said)
     out: dict[str, Any] = {"offload": "none"}  # DeepSpeed without offload_optimizer: state on the device
-    _deepspeed_zero(ds, out, said)
+    _deepspeed_zero(ds, defaults, out, said)
     _deepspeed_aio(ds, out, said)
-    _deepspeed_precision(ds, auto, out, said)
+    _deepspeed_precision(ds, defaults, auto, out, said)
     if "gradient_clipping" in ds:
-        out["grad_clip"] = _resolve(ds["gradient_clipping"], auto.grad_clip, _default("grad_clip"))
+        out["grad_clip"] = _resolve(ds["gradient_clipping"], auto.grad_clip, defaults["grad_clip"])
     _batch_sizes(ds, auto, out)
     if "optimizer" in ds:
-        _deepspeed_optimizer(ds["optimizer"], auto, out, said)
-    out.update(overrides)
-    if notes is not None:
-        notes.extend(said)
-    else:  # a library caller gave no list: say it through warnings rather than not at all
-        for line in said:
-            warnings.warn(line, stacklevel=2)
-    return OffloadConfig(**out)
-
-
-def _default(field: str) -> Any:
-    return OffloadConfig.__dataclass_fields__[field].default
+        _deepspeed_optimizer(ds["optimizer"], defaults, auto, out, said)
+    return out, said
 
 
 def _inert(section: str, d: Mapping[str, Any], said: list[str]) -> None:
@@ -137,7 +126,8 @@ def _no_auto(value: Any, where: str) -> Any:
     return value
 
 
-def _deepspeed_zero(ds: Mapping[str, Any], out: dict[str, Any], said: list[str]) -> None:
+def _deepspeed_zero(ds: Mapping[str, Any], defaults: Mapping[str, Any], out: dict[str, Any],
+                    said: list[str]) -> None:
     """zero_optimization: the stage, where optimizer state and weights live, sub-groups."""
     zero = _take(ds.get("zero_optimization", {}), {
         "stage", "offload_optimizer", "offload_param", "sub_group_size"}
@@ -154,7 +144,7 @@ def _deepspeed_zero(ds: Mapping[str, Any], out: dict[str, Any], said: list[str])
     if nvme_paths:
         out["nvme_dir"] = nvme_paths[0]
     if "sub_group_size" in zero:
-        size = _resolve(zero["sub_group_size"], None, _default("sub_group_size"))
+        size = _resolve(zero["sub_group_size"], None, defaults["sub_group_size"])
         # published configs write 1e9: a whole float is an integer here
         out["sub_group_size"] = int(size) if isinstance(size, float) and size.is_integer() else size
 
@@ -237,7 +227,8 @@ def _deepspeed_aio(ds: Mapping[str, Any], out: dict[str, Any], said: list[str]) 
             out[dst] = _resolve(aio[src], None, None)
 
 
-def _deepspeed_precision(ds: Mapping[str, Any], auto: AutoValues, out: dict[str, Any],
+def _deepspeed_precision(ds: Mapping[str, Any], defaults: Mapping[str, Any], auto: AutoValues,
+                         out: dict[str, Any],
                          said: list[str]) -> None:
     """fp16 / bf16: the dtype and the fp16 loss-scaling settings."""
     fp16 = _take(ds.get("fp16", {}), {"enabled", "loss_scale", "initial_scale_power",
@@ -259,10 +250,11 @@ def _deepspeed_precision(ds: Mapping[str, Any], auto: AutoValues, out: dict[str,
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "min_loss_scale"):
         if key in fp16:
-            out[key] = _resolve(fp16[key], None, _default(key))
+            out[key] = _resolve(fp16[key], None, defaults[key])
 
 
-def _deepspeed_optimizer(optimizer: Any, auto: AutoValues, out: dict[str, Any],
+def _deepspeed_optimizer(optimizer: Any, defaults: Mapping[str, Any], auto: AutoValues,
+                         out: dict[str, Any],
                          said: list[str]) -> None:
     """optimizer: AdamW only (Adam / CPUAdam / FusedAdam spellings), its lr, betas, eps, decay."""
     opt = _take(optimizer, {"type", "params"}, "optimizer")
@@ -280,7 +272,7 @@ def _deepspeed_optimizer(optimizer: Any, auto: AutoValues, out: dict[str, Any],
     for key, given in (("lr", auto.lr), ("betas", None), ("eps", None),
                        ("weight_decay", auto.weight_decay)):
         if key in params:
-            out[key] = _resolve(params[key], given, _default(key))
+            out[key] = _resolve(params[key], given, defaults[key])
 
 
 def _batch_sizes(ds: Mapping[str, Any], auto: AutoValues, out: dict[str, Any]) -> None:
@@ -316,31 +308,4 @@ def _batch_sizes(ds: Mapping[str, Any], auto: AutoValues, out: dict[str, Any]) -
         out["micro_batch_size"] = micro
 
 
-def load_config_file(path: str, *, auto: AutoValues | None = None,
-                     notes: list[str] | None = None) -> OffloadConfig:
-    """A JSON file in our flat form or DeepSpeed's (see from_deepspeed for auto and notes)."""
-    try:
-        raw = read_regular_file(path, MAX_CONFIG_FILE_BYTES)
-    except OSError as e:
-        raise ConfigError(f"config file {path}: cannot read ({e.strerror})") from None
-    if raw is None:
-        raise ConfigError(f"config file {path}: not a regular JSON file of at most "
-                          f"{MAX_CONFIG_FILE_BYTES} bytes")
-    try:
-        d = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, 5000-digit integers
-        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
-        raise ConfigError(f"config file {path}: not valid JSON ({what})") from None
-    try:
-        if isinstance(d, Mapping) and any(k in d for k in DEEPSPEED_TOP_KEYS):
-            return from_deepspeed(d, auto=auto, notes=notes)
-        return OffloadConfig.from_dict(d)
-    except ConfigError as e:
-        raise ConfigError(f"config file {path}: {e}") from None
-
-
-MAX_CONFIG_FILE_BYTES = 16 << 20
-
-
-__all__ = ["AutoValues", "DEEPSPEED_INERT", "DEEPSPEED_TOP_KEYS", "from_deepspeed", "load_config_file",
-           "MAX_CONFIG_FILE_BYTES"]
+__all__ = ["AutoValues", "DEEPSPEED_INERT", "DEEPSPEED_TOP_KEYS", "deepspeed_fields"]
