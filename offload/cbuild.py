@@ -1,6 +1,6 @@
 """Small C kernels built once per machine with the system compiler and loaded with ctypes.
 
-Used by the fused CPU AdamW step (offload/csrc/cpu_adamw.c, offload/optim.py) and the few-row
+Used by the fused CPU AdamW step (offload/csrc/cpu_adamw.c, offload/optim/adamw.py) and the few-row
 quantized products (offload/csrc/quant_gemv.c, offload/quant/cpu.py). Plain C + ctypes instead
 of a torch C++ extension: no torch headers, no ninja, a build of about a second, and a cached
 .so keyed on what it depends on -- the source, the compiler's version, the flags, and (for

@@ -36,7 +36,7 @@ from offload.engine_state import NonFiniteError, StateError
 from offload.gpu import GpuPhaseTimer
 from offload.mapped import forget
 from offload.grads import GradLanding
-from offload.optstate import NvmeState, ResidentState
+from offload.optim.state import NvmeState, ResidentState
 from offload.step_paths import AfterBackward, Overlapped
 from offload.stepper import BlockStepper, StepReport, Update
 from offload.tiers import (BudgetError, LinkCounter, MemoryAccount, format_report, freeze_pin_cap,

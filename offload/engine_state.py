@@ -23,7 +23,7 @@ import torch
 
 import nvme.format as nvme_format  # write_file looked up per call: fault injection replaces it
 from nvme.format import FormatError, SafetensorsFile
-from offload.optstate import NvmeState
+from offload.optim.state import NvmeState
 from offload.tiers import all_finite
 
 if TYPE_CHECKING:

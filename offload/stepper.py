@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from offload.gpu import host_event, on_stream, side_stream_delay
-from offload.optim import cpu_adamw_step
+from offload.optim.adamw import cpu_adamw_step
 from offload.tiers import PlanBytes, host_empty
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: to
                      eps: float, weight_decay: float, grad_scale: float = 1.0,
                      out16: torch.Tensor | None = None) -> None:
     """torch.optim.AdamW's single-tensor math with plain tensor ops, for state that lives on a
-    CUDA device (offload="none"); CPU state uses the fused kernel in offload.optim."""
+    CUDA device (offload="none"); CPU state uses the fused kernel in offload/optim/adamw.py."""
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale

@@ -24,7 +24,7 @@ from offload.config import ConfigError, OffloadConfig, format_bytes
 from offload.delayed import Delayed
 from offload.grads import GradLanding
 from offload.mapped import maps_frozen_rest
-from offload.optstate import NvmeState, ResidentState
+from offload.optim.state import NvmeState, ResidentState
 from offload.stepper import BlockStepper
 from offload.tiers import (TIERS, BudgetError, PlanBytes, check_fits, device_free_bytes,
                            disk_free_bytes, host_free_bytes, no_pinning, pinned_bytes)

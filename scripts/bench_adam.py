@@ -1,7 +1,7 @@
 """Benchmark the CPU AdamW step against torch's optimizers and this machine's memory bandwidth.
 
 One run, one set of buffers, all threads (torch.get_num_threads()):
-  (a)  offload.optim.cpu_adamw_step, C kernel: 16-bit grad in -> fp32 master/moments -> 16-bit out
+  (a)  offload.optim.adamw.cpu_adamw_step, C kernel: 16-bit grad in -> fp32 master/moments -> 16-bit out
   (a') the same call on its torch fallback path (chunked torch._fused_adamw_)
   (ax) the same call with exact=True (C passes around torch's own sqrt: bit-identical to AdamW)
   (b)  the naive composition: grad.float() into an fp32 buffer, torch.optim.AdamW(fused=True),
@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload.optim import BYTES_PER_PARAM_16BIT, active_implementation, cpu_adamw_step  # noqa: E402
+from offload.optim.adamw import BYTES_PER_PARAM_16BIT, active_implementation, cpu_adamw_step  # noqa: E402
 
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 BANDWIDTH_ELEMS = 64 * 2**20   # 256 MiB per fp32 array: 8x a 32 MiB L3, so DRAM is what's timed

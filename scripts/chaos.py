@@ -97,7 +97,7 @@ def _child(argv: list[str]) -> int:
     import offload.models
     import offload.models.hf
     import offload.models.llama
-    import offload.optim
+    import offload.optim.adamw
     import offload.stepper
     from runners.finetune import main
 
@@ -166,7 +166,7 @@ def _child(argv: list[str]) -> int:
             die("the CPU AdamW step (after a block's kernel, before its write-behind)")
         return out
     offload.stepper.cpu_adamw_step = adamw  # read when the engine builds its stepper
-    offload.optim.cpu_adamw_step = adamw
+    offload.optim.adamw.cpu_adamw_step = adamw
 
     finish_write = nvme.swap.SwapStore._finish_write
 

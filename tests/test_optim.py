@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import optim
-from offload.optim import cpu_adamw_step
+from offload.optim import adamw as optim
+from offload.optim.adamw import cpu_adamw_step
 
 IMPLS = ["c", "torch"]
 HYPERS = [  # lr, beta1, beta2, eps, weight_decay, grad_scale
@@ -282,7 +282,7 @@ def test_falls_back_to_torch_without_a_compiler(tmp_path: Path) -> None:
     """No compiler on PATH: auto picks the torch path, warns once, and still steps correctly."""
     script = textwrap.dedent("""
         import warnings, torch
-        from offload import optim
+        from offload.optim import adamw as optim
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert optim.active_implementation() == "torch", optim._kernel_state

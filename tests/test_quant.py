@@ -446,7 +446,7 @@ def test_loading_the_kernels_keeps_subnormals():
     import sys
     code = (
         "import threading, torch\n"
-        "from offload import optim\nfrom offload.quant import cpu as quant_cpu\n"
+        "from offload.optim import adamw as optim\nfrom offload.quant import cpu as quant_cpu\n"
         "assert quant_cpu.library() is not None, quant_cpu.status()\n"
         "optim._load_kernel()\n"
         "tiny = torch.tensor([1e-40]) * 1\n"

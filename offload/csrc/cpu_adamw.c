@@ -1,5 +1,5 @@
 /*
- * One-pass CPU AdamW step over flat buffers (see offload/optim.py for the contract).
+ * One-pass CPU AdamW step over flat buffers (see offload/optim/adamw.py for the contract).
  *
  * Why a hand-written loop: torch's fused AdamW reads and writes master, exp_avg and
  * exp_avg_sq once (24 B/param), but the engine's gradient arrives in 16 bits and the
@@ -253,7 +253,7 @@ int offload_cpu_adamw(float *master, float *exp_avg, float *exp_avg_sq, const vo
                    bc2_sqrt, eps, neg_step_size, num_threads, min_elems_per_thread);
 }
 
-/* The exact mode in two calls around torch's own sqrt (see offload/optim.py): phase 1
+/* The exact mode in two calls around torch's own sqrt (see offload/optim/adamw.py): phase 1
  * updates master (decay), exp_avg and exp_avg_sq; phase 2 reads sqrt_v = sqrt(exp_avg_sq)
  * and finishes master and out16. Called on cache-sized pieces, so the extra passes stay in
  * cache and DRAM traffic is still ~28 B/param. */

@@ -79,7 +79,7 @@ C_MIN_PARAMS_PER_THREAD = 1 << 19
 
 _DTYPE_CODE: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_adamw.c"
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_adamw.c"
 _BASE_CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread",
                 # No FMAs beyond the fmaf() calls the source spells out: they are what keeps the
                 # result equal to ATen's op-by-op rounding.
@@ -186,7 +186,7 @@ def _build_kernel(arch_flag_sets: list[list[str]] | None = None,
                         verify=lambda path: kernel_trust.verdict(LIBRARY_PROBE, (str(path),)))
 
 
-LIBRARY_PROBE = "offload.optim:check_library"  # the self-check, run in a child first
+LIBRARY_PROBE = "offload.optim.adamw:check_library"  # the self-check, run in a child first
 
 
 def check_library(case: tuple[str]) -> str | None:
