@@ -74,10 +74,14 @@ def fused_applies(spec: QuantSpec, in_features: int, x2d: torch.Tensor, out_feat
     """torch's int8pack kernel computes this product: per-channel int8, bf16 x on the CPU, at most
     FUSED_ROWS_MAX rows, in_features % 8 == 0 (other widths crash it on every CPU measured), and
     the weight's (in, out) shape passed check_int8pack on this machine."""
-    return (x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 and spec.bits == 8
-            and spec.groups(in_features) == 1 and in_features % 8 == 0
+    return (x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 and _fused_format(spec, in_features)
             and x2d.shape[0] <= FUSED_ROWS_MAX
             and kernel_trust.trusted(FUSED_PROBE, (in_features, out_features)))
+
+
+def _fused_format(spec: QuantSpec, in_features: int) -> bool:
+    """Weights torch's int8pack kernel can take at all: per-channel int8, in_features % 8 == 0."""
+    return spec.bits == 8 and spec.groups(in_features) == 1 and in_features % 8 == 0
 
 
 def check_kernels(weights, x_dtype: torch.dtype, device: torch.device | str) -> None:
@@ -86,7 +90,7 @@ def check_kernels(weights, x_dtype: torch.dtype, device: torch.device | str) -> 
     calls this: its first token then waits for no check). Results are kept (kernel_trust)."""
     if torch.device(device).type != "cpu" or x_dtype != torch.bfloat16:
         return
-    cases = {(i, o) for spec, i, o in weights if spec.bits == 8 and spec.groups(i) == 1 and i % 8 == 0}
+    cases = {(i, o) for spec, i, o in weights if _fused_format(spec, i)}
     if cases:
         kernel_trust.check(FUSED_PROBE, sorted(cases))
 
