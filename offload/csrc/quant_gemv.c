@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void row_product(
  * the group's scale multiplies them into a vector accumulator, and the row's sum is taken once
  * at its end. A sum per group instead (the loop before: a horizontal sum every 32 columns for
  * llama.cpp's Q8_0 groups) made group-32 int8 1.7x slower than per-channel at one row on the
- * 1B shapes; now 1.2x (docs/benchmarks/int8.md). Other group widths: a scalar dot product per
+ * 1B shapes; now 1.4x (docs/benchmarks/int8.md). Other group widths: a scalar dot product per
  * group. */
 typedef int8_t v8i8 __attribute__((vector_size(8)));
 
