@@ -7,8 +7,8 @@
 """
 
 from offload.config import ConfigError, OffloadConfig, from_deepspeed, load_config_file
-from offload.engine import Engine, StepReport, initialize
-from offload.tiers import BudgetError
+from offload.train.engine import Engine, StepReport, initialize
+from offload.memory.tiers import BudgetError
 
 __all__ = ["OffloadConfig", "ConfigError", "BudgetError", "Engine", "StepReport", "initialize",
            "from_deepspeed", "load_config_file"]

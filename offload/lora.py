@@ -247,7 +247,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0, *,
         _features(base, name)
     model.requires_grad_(False)
     for name, base in found:
-        # device "meta": the adapters' shapes only (offload/lora_plan.py plans without allocating)
+        # device "meta": the adapters' shapes only (offload/train/lora_plan.py plans without allocating)
         wrapped = LoraLinear(base, cfg.rank, cfg.alpha, cfg.dropout, dtype=dtype, device=device)
         wrapped.reset_lora(torch.Generator().manual_seed(param_seed(seed, f"{name}.lora_A.weight")))
         _set_module(model, name, wrapped)

@@ -16,7 +16,7 @@ import torch
 
 from offload.config import ConfigError as OffloadConfigError
 from offload.config import parse_bytes
-from offload.tiers import BudgetError
+from offload.memory.tiers import BudgetError
 
 EXIT_USAGE = 2
 
@@ -30,15 +30,15 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from nvme.format import FormatError
     from nvme.io import IOEngineError
     from nvme.swap import SwapError
-    from offload.checkpoint import CheckpointNotFound
-    from offload.data import DataError
-    from offload.engine import StateError
-    from offload.generate import GenerationError
+    from offload.train.checkpoint import CheckpointNotFound
+    from offload.data.formats import DataError
+    from offload.train.engine import StateError
+    from offload.infer.generate import GenerationError
     from offload.lora import LoraError
     from offload.models import CheckpointError
     from offload.models import ConfigError as ModelConfigError
-    from offload.stream import StreamError
-    from offload.tokenizer import TokenizerError
+    from offload.stream.streamer import StreamError
+    from offload.data.tokenizer import TokenizerError
     return (RunnerError, OffloadConfigError, ModelConfigError, BudgetError, CheckpointError,
             GenerationError, TokenizerError, StreamError, FormatError, IOEngineError, SwapError,
             DataError, StateError, CheckpointNotFound, LoraError)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from offload.config import format_bytes
-from offload.zero import rank_dir
-from offload.zero_rest import largest_module_numel
+from offload.zero.group import rank_dir
+from offload.zero.rest import largest_module_numel
 from runners.common import fail, note_unused_tensors, run_main, select_device, writable_dir
 from runners.finetune_args import build_parser, check_args, engine_config
 from runners.finetune_lora import LoraRun
@@ -48,7 +48,7 @@ def load_model(args: argparse.Namespace):
     A .gguf file is converted once into a Hugging Face directory in the cache (dequantized to
     fp32, block by block) and read from there like any checkpoint."""
     from offload.models import CheckpointReader, build_model, preset, seeded_init
-    from offload.tokenizer import ByteTokenizer, load_tokenizer
+    from offload.data.tokenizer import ByteTokenizer, load_tokenizer
 
     path = resolve_checkpoint(args.model)
     if path is not None:
@@ -107,7 +107,7 @@ def evaluate(model, data, micro_batch: int, device: torch.device, max_batches: i
     """Held-out loss, in eval mode: LoRA's dropout is off (and draws no random numbers). Over
     the first `max_batches` micro-batches of the held-out sequences (0: all): a large corpus's
     5% would otherwise cost more than the updates between two evaluations."""
-    from offload.data import masked_lm_loss
+    from offload.data.formats import masked_lm_loss
 
     total, count = 0.0, 0
     training = model.training
@@ -128,9 +128,9 @@ def evaluate(model, data, micro_batch: int, device: torch.device, max_batches: i
 
 
 def run(args: argparse.Namespace) -> int:
-    from offload.blocks import group_blocks
-    from offload.tiers import BudgetError
-    from offload.train_plan import (choose_training_config, estimator_table,
+    from offload.memory.blocks import group_blocks
+    from offload.memory.tiers import BudgetError
+    from offload.train.plan import (choose_training_config, estimator_table,
                                     llama_activation_estimate, plan_training)
     from runners.report import Banner
 
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         blocks = group_blocks(model)[0]
         shape = [(b.numel, b.module is not None) for b in blocks]
-        # stage 3: the most one module gathers of the resident blocks (offload/zero_rest.py)
+        # stage 3: the most one module gathers of the resident blocks (offload/zero/rest.py)
         rest_numel = largest_module_numel(model, [b for b in blocks if b.module is None])
     acts = llama_activation_estimate(model_cfg, micro, args.seq_len, cfg.torch_dtype)
     choice = None
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 def _check_plan(plan, advice: str | None) -> None:
     """plan.check(), its refusal followed by `advice` where there is some (a LoRA run's: the
     library's advice is about optimizer state, which is not what fills the device then)."""
-    from offload.tiers import BudgetError
+    from offload.memory.tiers import BudgetError
 
     try:
         plan.check()
@@ -216,8 +216,8 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
     import tempfile
 
     import offload
-    from offload.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
-    from offload.data import BatchOrder, pack, tokenize_to_disk
+    from offload.train.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
+    from offload.data.formats import BatchOrder, pack, tokenize_to_disk
 
     if ranks.main:
         rundir.prepare(resume=args.resume, overwrite=args.overwrite, metrics_path=metrics_path)
@@ -285,7 +285,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
 def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, micro, device, cfg,
            stop, trainer, resume_dir, history, metrics_path, now, ranks: Ranks,
            lora: LoraRun | None) -> int:
-    from offload.checkpoint import rng_state, save_checkpoint
+    from offload.train.checkpoint import rng_state, save_checkpoint
 
     if resume_dir and ranks.main:  # rows past the checkpoint: updates about to be redone
         truncate_metrics(metrics_path, engine.global_step)
@@ -365,8 +365,8 @@ def _one_update(args, engine, model, data, order, micro: int, device, cfg,
     """One optimizer update over batch_size sequences (this rank's share of them) in
     micro-batches: (summed micro-batch losses, averaged over ranks; seconds). The update's loss
     is the mean over all its target tokens, whichever micro-batch and rank holds them
-    (offload/data.py update_token_divisor)."""
-    from offload.data import masked_lm_loss, update_token_divisor
+    (offload/data/formats.py update_token_divisor)."""
+    from offload.data.formats import masked_lm_loss, update_token_divisor
 
     engine.set_lr(lr_at(engine.global_step, cfg.lr, args.warmup_steps, args.steps,
                         args.min_lr_ratio))
@@ -469,7 +469,7 @@ def verify_export(path: str, model_cfg, with_tokenizer: bool) -> None:
     """Read the export back the way a loader will (config, every tensor's name, shape and dtype,
     the tokenizer files): an export that cannot be loaded is an error, not a quiet success."""
     from offload.models import CheckpointReader
-    from offload.tokenizer import load_tokenizer
+    from offload.data.tokenizer import load_tokenizer
 
     try:
         with CheckpointReader(path) as reader:

@@ -273,7 +273,7 @@ def _config_batch(args: argparse.Namespace, base: dict, world: int = 1) -> None:
 def _check_data_files(path: str) -> None:
     """--data must name regular files (a FIFO or a link to /dev/zero named *.txt would hang the
     reader or fill the memory); what they contain is checked when they are read."""
-    from offload.data import data_files
+    from offload.data.formats import data_files
 
     if os.path.lexists(path):  # else the data loader says it does not exist
         for p in data_files(path):

@@ -7,7 +7,7 @@ the banner's account of it, what a checkpoint holds, and the run's outputs.
   on meta and filled by the engine from `source` (the checkpoint reader, a preset's seeded
   init, or a quantized base's block files), one parameter at a time onto the device
   (--offload-params none) or one layer at a time into its home in host RAM or NVMe
-  (--offload-params cpu|nvme, offload/frozen_stream.py): the base is never whole in RAM.
+  (--offload-params cpu|nvme, offload/stream/frozen.py): the base is never whole in RAM.
   The engine gives only the adapters masters and moments.
 - A checkpoint holds adapter/ (the adapters' fp32 masters in PEFT's format, so any checkpoint
   is a usable adapter) instead of model/, plus the engine state as always. The base never
@@ -36,7 +36,7 @@ from nvme.format import fsync_dir, write_file, write_json_atomic
 from offload.config import format_bytes
 from offload.lora import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraConfig, apply_lora,
                           base_checkpoint_name, load_adapter)
-from offload.mapped import maps_frozen_rest
+from offload.memory.mapped import maps_frozen_rest
 from offload.models.quantized import PER_CHANNEL
 from runners.common import fail
 from runners.finetune_args import lora_config
@@ -109,7 +109,7 @@ class LoraRun:
         """(adapter elements, True) for each layer apply_lora will give adapters: r x (in + out)
         per targeted projection. Counted on the meta model without building the adapters (a
         70B dry run at rank 64 would otherwise allocate 3 GB of them)."""
-        from offload.blocks import find_block_list
+        from offload.memory.blocks import find_block_list
 
         found = find_block_list(model)
         layers = found[1] if found is not None else []
@@ -126,7 +126,7 @@ class LoraRun:
         counts them (Engine._check_budgets): 16-bit in the compute dtype, a quantized base's
         layers as stored. The meta model is frozen here as apply_lora freezes the real one (it
         serves only the plan and the banner)."""
-        from offload.blocks import find_block_list, frozen_bytes
+        from offload.memory.blocks import find_block_list, frozen_bytes
 
         model.requires_grad_(False)
         found = find_block_list(model)
@@ -136,7 +136,7 @@ class LoraRun:
     def candidates(self, world: int) -> list[tuple[str, dict]]:
         """--offload auto's configurations: the planner's frozen-base list (the same on any
         number of ranks: each streams the whole base from its own tier)."""
-        from offload.train_plan import FROZEN_BASE_CANDIDATES
+        from offload.train.plan import FROZEN_BASE_CANDIDATES
 
         return list(FROZEN_BASE_CANDIDATES)
 
@@ -177,8 +177,8 @@ class LoraRun:
                 f"--micro-batch-size or --seq-len, --activation-checkpointing, or --offload auto")
 
     def methods_table(self, model_cfg, cfg) -> str:
-        """The dry run's full / LoRA / QLoRA table (offload/lora_plan.py) for these settings."""
-        from offload.lora_plan import format_methods, plan_methods
+        """The dry run's full / LoRA / QLoRA table (offload/train/lora_plan.py) for these settings."""
+        from offload.train.lora_plan import format_methods, plan_methods
 
         rows = plan_methods(model_cfg, cfg, self.cfg, quantize=self.quantize or "int4",
                             group_size=self.args.group_size)
@@ -214,7 +214,7 @@ class LoraRun:
         if not maps_frozen_rest(offload_params, device):
             materialize_non_block(model, device, dtype, self.source)
         # else the engine writes them into the swap directory one at a time and maps them there
-        # (offload/mapped.py): they are never resident, not even while the engine starts
+        # (offload/memory/mapped.py): they are never resident, not even while the engine starts
         apply_lora(model, self.cfg, seed=self.seed)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
         return model, self.source

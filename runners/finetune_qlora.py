@@ -6,7 +6,7 @@ directory runners.infer --quantize reads by default, so inference with the adapt
 same blocks (the cache key is the source's identity and the settings; a changed checkpoint
 converts again). A preset has no checkpoint to quantize: its seeded weights are written once as
 one, exactly as runners.infer does for a preset (the same directory, the same values). The
-engine streams the blocks as stored (offload/frozen_stream.py, QuantizedSource).
+engine streams the blocks as stored (offload/stream/frozen.py, QuantizedSource).
 
 Also here: the blocks' content digest (the base fingerprint of a QLoRA run: the engine never
 reads the quantized layers through the source, so they are hashed from their files, once per

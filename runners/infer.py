@@ -27,17 +27,17 @@ from tqdm import tqdm
 
 from offload import kernel_trust
 from offload.config import format_bytes, read_regular_file
-from offload.generate import SamplingParams, check_prompts, generate
+from offload.infer.generate import SamplingParams, check_prompts, generate
 from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
                             num_block_params, num_params, parameter_shapes, preset, save_pretrained)
-from offload.planner import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
+from offload.infer.plan import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
 from offload.models import kernels, load_streamed
 from offload.models.quantized import QuantSettings, load_quantized_streamed, quantized_block_bytes
 from offload.quant.matmul import kernels_run
 from offload.quant.format import QuantError
-from offload.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
-from offload.tokenizer import StreamDecoder, load_tokenizer
+from offload.memory.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
+from offload.data.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_args, add_device_args,
                             check_budget_flags, dtype_label, group_size_arg, note_unused_tensors,
                             run_main, select_device, select_dtype, writable_dir)
@@ -456,7 +456,7 @@ def _generate_batches(args, model, tokenizer, streamer, batches, sampling, stop,
 
 def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop) -> int:
     """The stdin chat loop: one line a turn, the reply streamed to stdout as it is generated."""
-    from offload.chat import ChatOverflow, ChatSession
+    from offload.infer.chat import ChatOverflow, ChatSession
 
     session = ChatSession(model, tokenizer, max_context=args.max_context, device=device, dtype=dtype,
                           streamer=streamer, sampling=sampling, stop_ids=stop, system=args.system)

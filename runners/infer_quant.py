@@ -15,7 +15,7 @@ from offload.models.quantized import (QuantizedBlocks, QuantSettings, gguf_types
                                       quantize_checkpoint)
 from offload.quant.matmul import workspace_bytes
 from offload.quant.format import QuantError
-from offload.tiers import disk_free_bytes
+from offload.memory.tiers import disk_free_bytes
 from runners.common import RunnerError, writable_dir
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from offload.zero import any_rank, ensure_process_group, env_world
+from offload.zero.group import any_rank, ensure_process_group, env_world
 
 def peer_lost(output: str) -> str:
     return (f"a peer rank stopped answering (it failed, was killed, or the network dropped); "

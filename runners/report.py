@@ -96,7 +96,7 @@ def zero_state_bytes(cfg: OffloadConfig, phi: int, world: int) -> dict[str, int]
     """The ZeRO paper's model states per rank for Φ parameters over `world` ranks at
     cfg.zero_stage, in this run's dtypes: weights, gradients (fp32 when accumulated), fp32
     masters and the two moments -- 2Φ + 2Φ + 12Φ in mixed precision, sharded by the stage. The
-    delayed update holds two sets of weights and of gradients (offload/delayed.py)."""
+    delayed update holds two sets of weights and of gradients (offload/train/delayed.py)."""
     item = cfg.torch_dtype.itemsize
     grad_item = 4 if cfg.grad_accum_steps > 1 else item
     copies = 2 if cfg.delayed_update else 1

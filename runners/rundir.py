@@ -68,7 +68,7 @@ class RunDirectory:
         if not found:
             return
         if resume is not None:
-            from offload.checkpoint import find_checkpoint
+            from offload.train.checkpoint import find_checkpoint
             if _inside(find_checkpoint(resume), self.path):
                 return  # the resumed run appends to its metrics and replaces its checkpoint
             fail(f"--output {self.path} already holds another run ({', '.join(found)}); a run "

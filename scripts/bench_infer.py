@@ -39,12 +39,12 @@ import psutil
 import torch
 
 from offload.config import format_bytes
-from offload.generate import generate
+from offload.infer.generate import generate
 from offload.models import CheckpointReader, num_params, preset
-from offload.planner import disk_read_gbps, measure_links, streamer_disk_gbps
+from offload.infer.plan import disk_read_gbps, measure_links, streamer_disk_gbps
 from offload.models import kernels, load_streamed
 from nvme.io import drop_caches
-from offload.tiers import cpu_model, peak_rss_bytes
+from offload.memory.tiers import cpu_model, peak_rss_bytes
 from runners.infer import random_checkpoint
 
 

@@ -5,9 +5,9 @@ The model is built on the meta device (nothing allocated), wrapped with LoRA ada
 (offload/lora.py), and handed to the engine with `offload_params="nvme"`: each layer's frozen
 base is generated from a seed and written to its swap file one layer at a time (init writes the
 random base once), then streamed through forward, recompute and backward
-(offload/frozen_stream.py); the adapters' fp32 masters and moments live in host RAM. The
+(offload/stream/frozen.py); the adapters' fp32 masters and moments live in host RAM. The
 embeddings and head (frozen, bf16) are written once into the swap directory and read through a
-memory map, a slice at a time (offload/mapped.py: the device here is the host). Full fine-tuning of the same model would need
+memory map, a slice at a time (offload/memory/mapped.py: the device here is the host). Full fine-tuning of the same model would need
 16 bytes per parameter of model state (printed beside it).
 
     python scripts/bench_lora.py                        # 8B, r = 16, bf16 base, 1 x 32 tokens
@@ -40,7 +40,7 @@ from offload.lora import LoraConfig, apply_lora  # noqa: E402
 from offload.models import build_model, num_params, preset  # noqa: E402
 from offload.models.llama import seeded_init  # noqa: E402
 from offload.models.quantized import quantize_layers  # noqa: E402
-from offload.tiers import cpu_model, peak_rss_bytes  # noqa: E402
+from offload.memory.tiers import cpu_model, peak_rss_bytes  # noqa: E402
 
 
 class _SeededReader:

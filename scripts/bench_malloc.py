@@ -37,7 +37,7 @@ def one_run(regime: str, model_name: str, steps: int, batch: int, seq: int) -> d
     warm-up. Returns {"step_s", "faults_per_step"} (medians)."""
     import torch
 
-    from offload import tiers
+    from offload.memory import tiers
     from offload.models import build_model, preset
 
     cfg = preset(model_name)
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: the child run
     args = ap.parse_args()
-    from offload.tiers import cpu_model
+    from offload.memory.tiers import cpu_model
     if args.one:
         print(json.dumps(one_run(args.one, args.model, args.steps, args.batch_size, args.seq_len)))
         return

@@ -51,7 +51,7 @@ from offload.quant import cpu as quant_cpu  # noqa: E402
 from offload.quant import matmul as quant  # noqa: E402
 from offload.quant.matmul import kernel_for, quant_linear  # noqa: E402
 from offload.quant.format import QuantSpec, dequantize, quantize  # noqa: E402
-from offload.tiers import cpu_model  # noqa: E402
+from offload.memory.tiers import cpu_model  # noqa: E402
 
 LLAMA_1B = ["2048x2048", "8192x2048", "2048x8192"]  # q/o, gate/up, down (out x in)
 SMOLLM2_135M = ["576x576", "1536x576", "576x1536"]

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import offload  # noqa: E402
 from offload.config import OffloadConfig, format_bytes  # noqa: E402
 from offload.models import build_model, num_params, preset  # noqa: E402
-from offload.tiers import cpu_model  # noqa: E402
+from offload.memory.tiers import cpu_model  # noqa: E402
 
 # overlap_wait: what the update waited for steps run on the step thread (the overlapped
 # blocks, or the previous update's delayed step); their own cpu_step / upload time is hidden

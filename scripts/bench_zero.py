@@ -1,4 +1,4 @@
-"""ZeRO stages 0-3 across data-parallel ranks (offload/zero.py) on one machine, next to
+"""ZeRO stages 0-3 across data-parallel ranks (offload/zero/group.py) on one machine, next to
 PyTorch's own sharded data parallelism (FSDP2, torch.distributed.fsdp.fully_shard) on the same
 model and world size: median step time, per-rank model-state bytes per tier beside the ZeRO
 formulas, and the bytes one rank sends per update beside 2Φ(N-1)/N (3Φ(N-1)/N at stage 3).
@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import offload  # noqa: E402
-from offload.tiers import cpu_model  # noqa: E402
+from offload.memory.tiers import cpu_model  # noqa: E402
 
 MIB = 2**20
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_gather_fetch")

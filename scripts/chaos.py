@@ -92,13 +92,13 @@ def _child(argv: list[str]) -> int:
 
     import nvme.format
     import nvme.swap
-    import offload.checkpoint
-    import offload.engine
+    import offload.train.checkpoint
+    import offload.train.engine
     import offload.models
     import offload.models.hf
     import offload.models.llama
     import offload.optim.adamw
-    import offload.stepper
+    import offload.train.stepper
     from runners.finetune import main
 
     spec = os.environ.get(KILL_ENV, "")
@@ -131,14 +131,14 @@ def _child(argv: list[str]) -> int:
         return wrapper
 
     # phase tracking (main thread)
-    E = offload.engine.Engine
+    E = offload.train.engine.Engine
     E.__init__ = tracked(E.__init__, "engine-init")
     E.load_state = tracked(E.load_state, "resume-load")
     E.backward = tracked(E.backward, "backward")
     E.step = tracked(E.step, "optimizer-step")
     M = offload.models.llama.LlamaForCausalLM
     M.forward = tracked(M.forward, lambda a, k: "forward" if torch.is_grad_enabled() else "eval")
-    offload.checkpoint.save_checkpoint = tracked(offload.checkpoint.save_checkpoint, "checkpoint")
+    offload.train.checkpoint.save_checkpoint = tracked(offload.train.checkpoint.save_checkpoint, "checkpoint")
     save_pretrained = offload.models.save_pretrained
     offload.models.save_pretrained = tracked(
         save_pretrained, lambda a, k: "checkpoint" if "checkpoint" in phases.stack else "export")
@@ -156,7 +156,7 @@ def _child(argv: list[str]) -> int:
         return out
     offload.models.llama.DecoderLayer.forward = decoder_forward
 
-    kernel = offload.stepper.cpu_adamw_step
+    kernel = offload.train.stepper.cpu_adamw_step
 
     def adamw(*a, **k):
         if when != "after" and hit("cpu-step"):
@@ -165,7 +165,7 @@ def _child(argv: list[str]) -> int:
         if when == "after" and hit("cpu-step"):
             die("the CPU AdamW step (after a block's kernel, before its write-behind)")
         return out
-    offload.stepper.cpu_adamw_step = adamw  # read when the engine builds its stepper
+    offload.train.stepper.cpu_adamw_step = adamw  # read when the engine builds its stepper
     offload.optim.adamw.cpu_adamw_step = adamw
 
     finish_write = nvme.swap.SwapStore._finish_write
@@ -238,7 +238,7 @@ class Campaign:
 def checkpoint_step(output: str) -> int | None:
     """The update of the complete checkpoint a resume would load, or None."""
     sys.path.insert(0, REPO)
-    from offload.checkpoint import CheckpointNotFound, find_checkpoint, load_trainer_state
+    from offload.train.checkpoint import CheckpointNotFound, find_checkpoint, load_trainer_state
 
     try:
         return int(load_trainer_state(find_checkpoint(output))["step"])

@@ -53,7 +53,7 @@ def checkpoint_intact(out: str) -> str | None:
     import torch
 
     from nvme.format import SafetensorsFile
-    from offload.checkpoint import CheckpointNotFound, find_checkpoint
+    from offload.train.checkpoint import CheckpointNotFound, find_checkpoint
 
     try:
         ckpt = find_checkpoint(out)

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
-from offload.generate import generate  # noqa: E402
+from offload.infer.generate import generate  # noqa: E402
 from offload.models import PRESETS, CheckpointReader, gguf_checkpoint_dir, load_model, preset  # noqa: E402
 from offload.models.quantized import (PER_CHANNEL, QuantSettings,  # noqa: E402
                                       load_quantized_streamed, quantize_checkpoint)
-from offload.tiers import cpu_model  # noqa: E402
-from offload.tokenizer import load_tokenizer  # noqa: E402
+from offload.memory.tiers import cpu_model  # noqa: E402
+from offload.data.tokenizer import load_tokenizer  # noqa: E402
 
 # (label, mode, group size, take GGUF tensors as they are)
 VARIANTS = [("int8 per channel", "int8", PER_CHANNEL, False), ("int8 g32", "int8", 32, False),

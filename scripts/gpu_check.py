@@ -202,7 +202,7 @@ def run_child(spec: dict, timeout_s: float, work: str) -> dict:
 
 # ---- the children: one measurement each, in a fresh process -------------------------------------
 def child_env_info(spec: dict) -> dict:
-    from offload.planner import measure_links
+    from offload.infer.plan import measure_links
     dev = torch.device(spec["device"])
     cuda = dev.type == "cuda"
     info = {"torch": torch.__version__, "cuda": torch.version.cuda,
@@ -221,7 +221,7 @@ def child_train(spec: dict) -> dict:
     import offload
     from offload.config import ConfigError, OffloadConfig
     from offload.models import build_model, seeded_init
-    from offload.tiers import BudgetError, peak_rss_bytes
+    from offload.memory.tiers import BudgetError, peak_rss_bytes
     bench = load_script("bench_train")
     dev, mcfg = torch.device(spec["device"]), preset(spec["preset"])
     opts = {**bench.MODES[spec["mode"]], **({"activation_checkpointing": True} if spec["checkpointing"] else {})}

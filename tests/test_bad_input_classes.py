@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from offload.data import BatchOrder, DataError, load_documents
-from offload.generate import SamplingParams, filter_logits
+from offload.data.formats import BatchOrder, DataError, load_documents
+from offload.infer.generate import SamplingParams, filter_logits
 from offload.models import CheckpointError, CheckpointReader
-from offload.tokenizer import Tokenizer, TokenizerError
+from offload.data.tokenizer import Tokenizer, TokenizerError
 from runners import infer
 from test_run_guards import FAST, finetune, run_cli
 
@@ -147,7 +147,7 @@ def test_no_room_for_the_step_thread_is_found_at_set_up(monkeypatch, tmp_path):
     import threading
 
     import offload
-    from offload.tiers import BudgetError
+    from offload.memory.tiers import BudgetError
     from test_engine import MLP, _cfg
     real = threading.Thread.start
 

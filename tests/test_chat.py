@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from offload.chat import ChatOverflow, ChatSession, common_prefix
+from offload.infer.chat import ChatOverflow, ChatSession, common_prefix
 from offload.models import CheckpointReader, build_model
 from offload.models import load_streamed
-from offload.tokenizer import Tokenizer
+from offload.data.tokenizer import Tokenizer
 from runners import infer
 from runners.common import run_main
 

@@ -252,7 +252,7 @@ def test_injected_side_stream_delays_change_nothing(opt, params, clip, accum, ex
                                        ["nvme", "device", "cpu", "nvme"]])
 def test_streamed_generation_matches_transformers(residency, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from offload.generate import generate
+    from offload.infer.generate import generate
     from offload.models import CheckpointReader
     from offload.models import load_streamed
     from tests.test_generate import NEW, PROMPTS, _checkpoint
@@ -333,7 +333,7 @@ def test_training_peak_device_memory_within_the_plan(kw, tmp_path):
     """Review M5 / H2: what the GPU really held (allocated *and* reserved by the caching
     allocator, above what existed before) stays within the plan's device total, and the
     allocator never had to free its cache and retry (num_alloc_retries)."""
-    from offload.train_plan import llama_activation_estimate, plan_training
+    from offload.train.plan import llama_activation_estimate, plan_training
 
     torch.manual_seed(0)
     model = tiny_llama()

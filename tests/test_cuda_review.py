@@ -29,7 +29,7 @@ def test_H1_accumulation_with_a_slow_landing_worker(dtype, tmp_path, monkeypatch
     """The next micro-batch's copy must not land in staging before the worker has added the
     previous one: with the worker slowed (20 ms per gradient) the fp32 landing buffers after a
     4-micro-batch window equal the sum of the four gradients plain PyTorch computes."""
-    from offload.grads import GradLanding
+    from offload.grads.landing import GradLanding
     torch.manual_seed(0)
     model = MLP(d=64, depth=6).to(DEV)
     ref_model = copy.deepcopy(model).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]))
@@ -70,7 +70,7 @@ def test_H1_accumulation_with_a_slow_landing_worker(dtype, tmp_path, monkeypatch
 
 @cuda_only
 def test_H2_device_memory_after_forward(tmp_path):
-    from offload.activations import (ActivationStore, disable_activation_checkpointing,
+    from offload.train.activations import (ActivationStore, disable_activation_checkpointing,
                                      enable_activation_checkpointing)
     torch.manual_seed(0)
     model = tiny_llama().to(DEV)
@@ -100,7 +100,7 @@ def test_H2_device_memory_after_forward(tmp_path):
 def test_H3_buffers_that_cross_the_link_are_pinned_and_state_is_not(tmp_path, recwarn):
     """The landing buffers, the upload ring and streamed weights are pinned; masters and moments
     (read only by the CPU kernel) are not, so they never spend the pinned-memory cap."""
-    from offload import tiers
+    from offload.memory import tiers
     torch.manual_seed(0)
     model = tiny_llama()
     engine = offload.initialize(model, cfg_for(tmp_path, dtype="bf16", offload_params="cpu",
@@ -122,7 +122,7 @@ def test_H3_buffers_that_cross_the_link_are_pinned_and_state_is_not(tmp_path, re
 def test_H3_gradient_hook_does_not_block(tmp_path):
     """A pinned landing buffer makes the gradient copy asynchronous: the hook returns in well
     under a millisecond even for a 100 MB gradient (a pageable one would wait for the copy)."""
-    from offload.grad_transport import Cuda
+    from offload.grads.transport import Cuda
     model = nn.Sequential(nn.Linear(5000, 5000, bias=False)).to(DEV, torch.bfloat16)
     durations = []
     inner = Cuda.land
@@ -149,9 +149,9 @@ def test_H4_pinned_bytes_within_the_inference_plan(tmp_path):
     """Every cpu-tier block pinned, block bytes far from powers of two: the pinned memory held
     (counted at the allocator's rounded sizes) stays within the plan's host bytes, which count
     the same rounding."""
-    from offload import tiers
+    from offload.memory import tiers
     from offload.models import CheckpointReader
-    from offload.planner import plan_inference
+    from offload.infer.plan import plan_inference
     from offload.models import load_streamed
     from tests.test_generate import _checkpoint
 
@@ -188,7 +188,7 @@ def test_M1_overlapped_steps_with_jittered_landing(tmp_path, monkeypatch):
     landing, 100 overlapped updates run without a TypeError from a callback cleared between
     the check and the call."""
     import random
-    from offload.grads import GradLanding
+    from offload.grads.landing import GradLanding
     rng = random.Random(0)
     inner = GradLanding.after_land
 
@@ -238,7 +238,7 @@ def test_M2_landing_worker_sleeps_while_waiting(tmp_path):
 def test_M3_slots_are_not_reused_while_a_copy_writes_them(tmp_path):
     """Close a streamer with prefetches still in flight (slow copies), drop it, and allocate the
     same amount at once on the compute stream: the new tensors keep their values."""
-    from offload.generate import generate
+    from offload.infer.generate import generate
     from offload.models import CheckpointReader
     from offload.models import load_streamed
     from tests.test_generate import _checkpoint
@@ -339,7 +339,7 @@ def test_L6_no_sync_inside_the_micro_batch_loop(tmp_path):
 
 @cuda_only
 def test_L7_resume_with_extra_cuda_rng_entries(tmp_path):
-    from offload.checkpoint import rng_state, set_rng_state
+    from offload.train.checkpoint import rng_state, set_rng_state
     state = rng_state(DEV)
     assert len(state["cuda"]) == 1
     state["cuda"] = state["cuda"] + state["cuda"] * 7  # saved where 8 GPUs were visible

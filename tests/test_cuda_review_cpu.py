@@ -1,6 +1,6 @@
 """The CPU-checkable half of the CUDA desk review's tests (../shared/reviews/cuda-desk-review.md;
 the GPU half is tests/test_cuda.py): findings whose mechanism shows on the CPU device too, and
-the pinned-memory policy every GPU host buffer goes through (offload/tiers.py)."""
+the pinned-memory policy every GPU host buffer goes through (offload/memory/tiers.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload import tiers
+from offload.memory import tiers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEV = torch.device("cpu")
@@ -28,7 +28,7 @@ def test_H2_offloaded_block_inputs_leave_the_device(tmp_path):
     copy is queued: nothing holds them until backward (CPU: the input's weakref dies; CUDA:
     memory after forward falls by about (L-1) inputs against the run without offload)."""
     import weakref
-    from offload.activations import enable_activation_checkpointing, ActivationStore
+    from offload.train.activations import enable_activation_checkpointing, ActivationStore
 
     torch.manual_seed(0)
     model = tiny_llama().to(DEV)
@@ -47,8 +47,8 @@ def test_H2_offloaded_block_inputs_leave_the_device(tmp_path):
 
 def test_H4_planner_counts_rounded_pinned_sizes():
     """(CPU too) A GPU plan counts a pinned buffer at the allocator's power-of-two size."""
-    from offload.planner import plan_inference
-    from offload.tiers import pinned_bytes
+    from offload.infer.plan import plan_inference
+    from offload.memory.tiers import pinned_bytes
     blocks = [605 << 20] * 3  # a 13B-like block: 605 MiB takes 1 GiB pinned
     plan = plan_inference(block_bytes=blocks, stored_block_bytes=blocks, non_block_bytes=0,
                           batch_size=1, context=16, kv_bytes_per_seq=0, workspace_per_seq=0,
@@ -58,9 +58,9 @@ def test_H4_planner_counts_rounded_pinned_sizes():
 
 def test_M1_callback_read_once():
     """(CPU) A callback that disappears between two reads of the attribute is not called."""
-    from offload.blocks import Block, ParamSlot
-    from offload.grads import GradLanding
-    from offload.tiers import LinkCounter, MemoryAccount
+    from offload.memory.blocks import Block, ParamSlot
+    from offload.grads.landing import GradLanding
+    from offload.memory.tiers import LinkCounter, MemoryAccount
 
     p = nn.Parameter(torch.zeros(4))
     block = Block(index=0, name="0", module=None)
@@ -173,8 +173,8 @@ def test_training_plan_on_a_gpu_counts_pinned_rounding_and_the_d2h_backlog():
     copy bounded by D2H_BACKLOG_BLOCKS largest blocks (review M5); no upload ring and no
     backlog without offload (review L4)."""
     from offload.config import OffloadConfig
-    from offload.grad_transport import D2H_BACKLOG_BLOCKS
-    from offload.train_plan import plan_training
+    from offload.grads.transport import D2H_BACKLOG_BLOCKS
+    from offload.train.plan import plan_training
     gpu = torch.device("cuda", 0)
     blocks = [(3_000_000, True)] * 4 + [(5_000_000, False)]
     cfg = OffloadConfig(offload="cpu", dtype="bf16", grad_clip=1.0, device="cpu")

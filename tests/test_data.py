@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from offload.data import (BatchOrder, DataError, Example, encode_example, iter_examples,
+from offload.data.formats import (BatchOrder, DataError, Example, encode_example, iter_examples,
                           load_documents, masked_lm_loss, pack, stream_from_lists, tokenize_to_disk)
 from offload.models import build_model, preset
-from offload.tokenizer import ByteTokenizer
+from offload.data.tokenizer import ByteTokenizer
 
 
 def test_builtin_corpus_packs_and_splits(tmp_path):
@@ -126,7 +126,7 @@ def test_chat_rendering_and_loss_mask_on_real_model(smollm2_hf):
     apply_chat_template, and exactly the assistant's text plus its end-of-turn token count."""
     from transformers import AutoTokenizer
 
-    from offload.tokenizer import Tokenizer
+    from offload.data.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(smollm2_hf)
     ref = AutoTokenizer.from_pretrained(smollm2_hf)
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of Veloria?"},
@@ -147,8 +147,8 @@ def test_tokenizing_streams_in_bounded_memory(tmp_path):
     """A corpus 5x bigger does not need more memory: tokens go to disk as they are made."""
     script = (
         "import resource, sys\n"
-        "from offload.data import tokenize_to_disk\n"
-        "from offload.tokenizer import ByteTokenizer\n"
+        "from offload.data.formats import tokenize_to_disk\n"
+        "from offload.data.tokenizer import ByteTokenizer\n"
         "s = tokenize_to_disk(sys.argv[1], ByteTokenizer(), sys.argv[2])\n"
         "print(s.num_tokens, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
     rss = {}

@@ -159,7 +159,7 @@ def test_delayed_update_config_errors(changes, message):
 
 
 def test_delayed_update_plan_counts_the_second_copies():
-    from offload.train_plan import plan_training
+    from offload.train.plan import plan_training
     blocks = [(1000, True)] * 4 + [(500, False)]
     base = OffloadConfig(offload="cpu", device="cpu", dtype="bf16", grad_clip=1.0)
     one = plan_training(blocks, base)
@@ -204,7 +204,7 @@ def test_damaged_delayed_state_is_refused_in_one_line(tmp_path):
     """A saved state's pending-update flag must be a boolean, and a state that claims a pending
     update must carry the weights that were in use."""
     import json
-    from offload.engine import StateError
+    from offload.train.engine import StateError
     cfg = _cfg("cpu", tmp_path, delayed_update=True)
     torch.manual_seed(0)
     model = MLP(depth=2)

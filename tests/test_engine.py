@@ -306,7 +306,7 @@ def test_save_and_resume_state_is_exact(mode, tmp_path):
     masters_c = eng_c.master_params()
     assert all(torch.equal(masters_c[k], masters_a[k]) for k in masters_a)
     other = offload.initialize(MLP(d=16), _cfg(mode, tmp_path / "d"))
-    with pytest.raises(offload.engine.StateError, match="different model"):
+    with pytest.raises(offload.train.engine.StateError, match="different model"):
         other.load_state(str(tmp_path / "ckpt"))
     eng_c.close()
     other.close()
@@ -354,7 +354,7 @@ def test_fp32_norm_of_16bit_gradients_is_chunked_and_exact_for_fp32():
     """A 16-bit gradient's fp32 norm is taken a chunk at a time (no whole fp32 copy of a tied
     embedding's gradient mid-backward), at least as accurate as the one-call fp32 norm (against
     fp64); fp32 input goes through the single call clip_grad_norm_ uses, bit for bit."""
-    from offload.grads import NORM_CHUNK, fp32_norm
+    from offload.grads.landing import NORM_CHUNK, fp32_norm
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3 * NORM_CHUNK + 5, generator=g)
     assert torch.equal(fp32_norm(x), torch.linalg.vector_norm(x))

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from offload.checkpoint import find_checkpoint, load_trainer_state
+from offload.train.checkpoint import find_checkpoint, load_trainer_state
 from runners.finetune import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
@@ -151,7 +151,7 @@ def test_disk_full_during_a_checkpoint_save(tmp_path, monkeypatch, capsys, refer
 
 def test_disk_full_writing_trainer_state(tmp_path, monkeypatch, capsys):
     """The last file of a save (written through a Python file object, not os.write)."""
-    import offload.checkpoint as ckpt_mod
+    import offload.train.checkpoint as ckpt_mod
 
     out = str(tmp_path / "run")
     real = ckpt_mod.write_json_atomic
@@ -240,7 +240,7 @@ def test_failed_save_pretrained_leaves_the_previous_export(tmp_path, monkeypatch
 def test_plan_larger_than_available_ram_is_refused_before_allocating(tmp_path, monkeypatch, capsys):
     """psutil's available memory is what the host tier is checked against (less a reserve):
     a plan that would not fit is refused in one line, and nothing was written or allocated."""
-    import offload.tiers as tiers
+    import offload.memory.tiers as tiers
 
     class VM:
         available = 600 << 20  # 600 MiB "available": the tiny plan fits, the 1B one does not
@@ -253,7 +253,7 @@ def test_plan_larger_than_available_ram_is_refused_before_allocating(tmp_path, m
 
 
 def test_headroom_is_kept_when_checking_free_memory():
-    from offload.tiers import BudgetError, check_fits, memory_reserve_bytes
+    from offload.memory.tiers import BudgetError, check_fits, memory_reserve_bytes
 
     free = 10 << 30
     reserve = memory_reserve_bytes(free)
@@ -266,7 +266,7 @@ def test_headroom_is_kept_when_checking_free_memory():
 
 
 def test_pinned_memory_is_capped_with_a_pageable_fallback(monkeypatch):
-    import offload.tiers as tiers
+    import offload.memory.tiers as tiers
 
     class VM:
         available = 1 << 30

@@ -154,7 +154,7 @@ def test_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch):
     _bad(out + ["--delayed-update", "--offload", "cpu", "--offload-params", "cpu"], capsys,
          "offload_params='none'")
     _bad(out + ["--delayed-update-warmup", "-1"], capsys, "must be >= 0")
-    import offload.train_plan as tp
+    import offload.train.plan as tp
     monkeypatch.setattr(tp, "disk_free_bytes", lambda path: 1024)
     _bad(out + ["--offload", "nvme"], capsys, "free disk space")
 

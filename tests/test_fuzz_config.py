@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from offload.config import ConfigError, OffloadConfig, parse_bytes
 from offload.config import from_deepspeed, load_config_file
-from offload.tiers import BudgetError
-from offload.train_plan import plan_training
+from offload.memory.tiers import BudgetError
+from offload.train.plan import plan_training
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from offload.generate import (GenerationError, SamplingParams, filter_logits, generate,
+from offload.infer.generate import (GenerationError, SamplingParams, filter_logits, generate,
                               next_tokens)
 from offload.models import CheckpointReader, build_model, preset, save_pretrained
 from offload.models import load_streamed
-from offload.tokenizer import StreamDecoder, TokenizerError, load_tokenizer
+from offload.data.tokenizer import StreamDecoder, TokenizerError, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf")
 
 from offload.models import build_model  # noqa: E402
 from offload.models.gguf import GGUFError, GGUFReader, gguf_checkpoint_dir  # noqa: E402
-from offload.tokenizer import Tokenizer  # noqa: E402
+from offload.data.tokenizer import Tokenizer  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nvme.swap import SwapError, SwapStore
-from offload.checkpoint import CheckpointNotFound, find_checkpoint, load_trainer_state
+from offload.train.checkpoint import CheckpointNotFound, find_checkpoint, load_trainer_state
 
 
 # ---- swap manifests -------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def test_damaged_swap_file_header_is_reported_on_read(tmp_path):
     ('{"step": 1, "data_position": 0, "rng": RNG, "history": [], "eval_loss0": "low"}', "eval_loss0"),
 ])
 def test_bad_trainer_state(tmp_path, body, match):
-    from offload.checkpoint import rng_state
+    from offload.train.checkpoint import rng_state
 
     body = body.replace("RNG", json.dumps(rng_state()))
     ckpt = tmp_path / "out" / "checkpoint"

@@ -149,7 +149,7 @@ def test_a_run_faster_than_its_floor_prints_no_percentage_above_100(capsys):
     shows the bandwidth the run's own counters give, never a percentage above 100."""
     from types import SimpleNamespace
 
-    from offload.planner import Links
+    from offload.infer.plan import Links
     from runners.infer import _metrics, _report
     stream = SimpleNamespace(moved_bytes={"h2d": 0, "disk": 8 * 10**9}, wait_s=0.0)
     res = SimpleNamespace(prompt_tokens=4, prefill_s=1.0, decode_tokens=8, decode_s=4.0,

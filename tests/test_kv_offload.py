@@ -1,4 +1,4 @@
-"""The KV cache in host RAM (offload/kv_offload.py): the same tokens and logits as the cache on the
+"""The KV cache in host RAM (offload/infer/kv_cache.py): the same tokens and logits as the cache on the
 device, with streamed blocks too; the planner puts it there only when throughput mode cannot fit
 the batch's cache on the device, and reports the batch it allows against the one without."""
 
@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from offload.generate import SamplingParams, generate
-from offload.kv_offload import OffloadedKVCache, offloaded_kv_device_bytes
+from offload.infer.generate import SamplingParams, generate
+from offload.infer.kv_cache import OffloadedKVCache, offloaded_kv_device_bytes
 from offload.models import CheckpointReader, KVCache, build_model, load_streamed, preset, save_pretrained
 from offload.models.llama import kv_cache_bytes
-from offload.planner import plan_inference
-from offload.tiers import BudgetError
+from offload.infer.plan import plan_inference
+from offload.memory.tiers import BudgetError
 
 CFG = preset("tiny")
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42, 43]]  # left-padded into one batch

@@ -1,7 +1,7 @@
 """LoRA adapters (offload/lora.py) trained by the offload engine: the adapters' fp32 masters and
 Adam moments live in the tier the config names (device, host RAM, NVMe swap files); the frozen
 base is resident on the device or streamed from host RAM or NVMe through forward, recompute and
-backward (offload/frozen_stream.py); it never gets a gradient buffer, master or moment; after
+backward (offload/stream/frozen.py); it never gets a gradient buffer, master or moment; after
 10 updates the adapters equal plain PyTorch's AdamW(fused=True) on the same model, and the
 training plan equals what the engine allocated."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload
-from offload import mapped
+from offload.memory import mapped
 from offload.config import OffloadConfig
 from offload.lora import LoraConfig, apply_lora, lora_state_dict
 from offload.models import build_model, preset
@@ -212,11 +212,11 @@ def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
 
 @pytest.mark.parametrize("params", ["none", "nvme"])
 def test_methods_table_plans_what_the_engine_plans(params, tmp_path):
-    """The dry run's full / LoRA / QLoRA table (offload/lora_plan.py) is planned on meta models;
+    """The dry run's full / LoRA / QLoRA table (offload/train/lora_plan.py) is planned on meta models;
     its LoRA row is the plan the engine makes for the same model and settings, and the rows
     order as they must: far fewer trainable parameters, no optimizer state for the base, and
     a smaller base for QLoRA."""
-    from offload.lora_plan import format_methods, plan_methods
+    from offload.train.lora_plan import format_methods, plan_methods
     lora = LoraConfig(rank=4, alpha=8, targets=("q", "v", "down"))
     cfg = _cfg("cpu", tmp_path, dtype="bf16", offload_params=params, nvme_dir=str(tmp_path / "swap"))
     full, lora_row, qlora = plan_methods(preset("tiny"), cfg, lora)
@@ -241,8 +241,8 @@ def test_disk_check_counts_only_what_is_written_into_the_offload_dir(tmp_path):
     """A base streamed from NVMe is written into nvme_dir (checked against its budget and free
     space even when the optimizer state stays in RAM); a quantized base read from its block
     files in place takes no room there."""
-    from offload.tiers import BudgetError
-    from offload.train_plan import plan_training
+    from offload.memory.tiers import BudgetError
+    from offload.train.plan import plan_training
 
     cfg = OffloadConfig(offload="cpu", offload_params="nvme", nvme_dir=str(tmp_path),
                         nvme_budget="2MiB", dtype="bf16")

@@ -175,7 +175,7 @@ def test_dry_run_counts_the_adapters_and_the_frozen_base(tmp_path, capsys):
     assert f"{trainable / 1e6:.3f}M trainable parameters of" in text
     assert "frozen 1.21 MiB" in text and "stays on the device" in text
     assert "memory estimator" not in text  # the ZeRO table prices a full fine-tune
-    # under the plan, the methods side by side (offload/lora_plan.py), each base where this
+    # under the plan, the methods side by side (offload/train/lora_plan.py), each base where this
     # run keeps it (a quantized base too: loaded onto the device once)
     table = text[text.index("| method |"):].splitlines()
     assert [row.split(" | ")[0] for row in table[2:5]] == ["| full", "| LoRA r=8", "| QLoRA int4 r=8"]
@@ -183,7 +183,7 @@ def test_dry_run_counts_the_adapters_and_the_frozen_base(tmp_path, capsys):
 
 
 def test_dry_run_plans_a_streamed_and_a_quantized_base(tmp_path, capsys):
-    """The plan counts the base as the engine will (offload/train_plan.py's frozen bytes): the
+    """The plan counts the base as the engine will (offload/train/plan.py's frozen bytes): the
     layers in their home, streamed through a few device slots; a 70B dry run stays fast (all on
     meta) and --offload auto streams the base when it does not fit the device."""
     out = ["--output", str(tmp_path / "d"), "--dtype", "bf16", "--lora-rank", "16"]

@@ -1,4 +1,4 @@
-"""glibc's allocation regime around the engine (offload/tiers.py: large_frees_to_os): a low mmap
+"""glibc's allocation regime around the engine (offload/memory/tiers.py: large_frees_to_os): a low mmap
 threshold while setting up, so block-sized temporaries go back to the OS, and afterwards one
 below half the smallest block, so activations reuse heap memory (the fixed 1 MiB threshold kept
 for the whole run made the plain training loop 1.3-1.4x slower in the same process;
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import offload
-from offload.tiers import large_frees_to_os
+from offload.memory.tiers import large_frees_to_os
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 
@@ -21,7 +21,7 @@ def test_the_set_up_regime_ends_with_the_outermost_set_up(tmp_path):
     left for training is chosen from the model's blocks. (Whether a given allocation then faults
     depends on what the heap already holds, so the speed effect is measured in
     scripts/bench_train.py --fresh, not asserted here.)"""
-    from offload import tiers
+    from offload.memory import tiers
 
     with large_frees_to_os(8 << 20):
         with large_frees_to_os():  # nested (the engine building a streamer) counts once
@@ -29,7 +29,7 @@ def test_the_set_up_regime_ends_with_the_outermost_set_up(tmp_path):
         assert tiers._SETUP_DEPTH == 1
     assert tiers._SETUP_DEPTH == 0 and tiers._after_setup_bytes == 4 << 20
     from test_engine import MLP
-    from offload import tiers
+    from offload.memory import tiers
 
     # after an engine's set-up the threshold sits below half its smallest block (block-sized
     # buffers still go back to the OS: RSS does not grow with depth), capped where glibc's own

@@ -1,4 +1,4 @@
-"""Frozen weights mapped from swap files (offload/mapped.py): the same values, pages handed back
+"""Frozen weights mapped from swap files (offload/memory/mapped.py): the same values, pages handed back
 after use, and the frozen projection reading them a slice at a time with the same results."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvme.swap import SwapStore
-from offload import mapped
+from offload.memory import mapped
 from offload.models import llama
 
 MiB = 1 << 20

@@ -323,7 +323,7 @@ def test_kernel_measurement_buffer_is_in_the_inference_plan(monkeypatch) -> None
     """The measurement's eviction buffer is transient device memory of the first forward: the
     planner counts it, so a budget that only fits without it places fewer blocks in memory."""
     from offload.models import kernels
-    from offload.planner import plan_inference
+    from offload.infer.plan import plan_inference
     monkeypatch.delenv("OFFLOAD_FEW_ROWS_KERNEL", raising=False)
     cpu = torch.device("cpu")
     assert kernels.scratch_bytes(cpu, torch.float32) == kernels.EVICT_BYTES

@@ -14,7 +14,7 @@ import torch
 
 import offload
 from offload.config import ConfigError, OffloadConfig
-from offload.train_plan import plan_training
+from offload.train.plan import plan_training
 
 PATHS = ("after", "overlapped", "delayed")
 

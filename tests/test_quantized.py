@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nvme.format import SafetensorsFile, read_header
-from offload.generate import generate
+from offload.infer.generate import generate
 from offload.models import CheckpointReader, build_model, load_model, preset, save_pretrained
 from offload.models.quantized import (PER_CHANNEL, PROJECTIONS, QuantLinear, QuantSettings, block_file, cache_key,
                                       checkpoint_source, convert_blocks, load_quantized_streamed,
@@ -220,7 +220,7 @@ def test_real_model_quality_and_gguf_tensors_taken_as_they_are(smollm2_gguf, smo
     numbers: docs/BENCHMARKS.md, scripts/eval_quant.py). The taken tensors dequantize to exactly
     the values the fp32 conversion holds."""
     from conftest import load_script
-    from offload.tokenizer import load_tokenizer
+    from offload.data.tokenizer import load_tokenizer
     ev = load_script("eval_quant")
     rows = ev.token_rows(load_tokenizer(smollm2_hf), ev.real_text("pydoc"), 2, 128)
     got = {r["label"]: r for r in ev.evaluate(smollm2_hf, smollm2_gguf, rows, str(tmp_path))}

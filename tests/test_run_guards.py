@@ -15,7 +15,7 @@ import torch
 import offload
 from nvme import SwapStore
 from nvme.swap import SwapError
-from offload.stream import StreamError
+from offload.stream.streamer import StreamError
 from runners.common import run_main
 from runners.finetune import main as finetune_main
 from runners.rundir import RunDirectory
@@ -90,7 +90,7 @@ def test_damaged_streamed_weights_stop_training(tmp_path):
 
 # ---- inf/nan losses in the runner -----------------------------------------------------------
 def _nan_at(monkeypatch, steps: set[int]):
-    import offload.data as data
+    import offload.data.formats as data
     real, calls = data.masked_lm_loss, [0]
 
     def loss(*a, **k):

@@ -9,10 +9,10 @@ from torch import nn
 
 from nvme.format import read_header, write_file
 from offload.models import CheckpointReader, build_model, load_model, preset, save_pretrained
-from offload.planner import plan_inference, spread
+from offload.infer.plan import plan_inference, spread
 from offload.models import load_streamed
-from offload.stream import BlockStreamer, StreamError, TensorRange
-from offload.tiers import BudgetError
+from offload.stream.streamer import BlockStreamer, StreamError, TensorRange
+from offload.memory.tiers import BudgetError
 
 CFG = preset("tiny")
 TIERS = {
@@ -62,7 +62,7 @@ def test_streamed_forward_equals_resident(ckpt, reference, tiers, zero_copy):
 def test_streamer_disk_probe_reads_the_streamed_blocks_and_leaves_it_usable(ckpt, reference, tiers):
     """The floor's disk probe reads the NVMe-tier blocks with the streamer itself (a full
     pipeline: more blocks than its depth in flight), and the model runs exactly as before."""
-    from offload.planner import streamer_disk_gbps
+    from offload.infer.plan import streamer_disk_gbps
     ids, want = reference
     nvme = [i for i, t in enumerate(TIERS[tiers]) if t == "nvme"]
     with CheckpointReader(ckpt) as reader:
@@ -190,7 +190,7 @@ def _plan(**kw):
 
 
 def test_planner_modes_and_tiers():
-    from offload.planner import WORKSPACE_FIXED_BYTES as W
+    from offload.infer.plan import WORKSPACE_FIXED_BYTES as W
     fixed = W + MB // 2 + 2 * 10**4
     assert _plan().residency == ["device"] * 8
     # device: fixed + 3 slots + 2 blocks; host: staging for 2 reads + 2 blocks; the rest on NVMe.
@@ -211,7 +211,7 @@ def test_planner_modes_and_tiers():
 
 
 def test_planner_refusals_say_what_fits():
-    from offload.planner import WORKSPACE_FIXED_BYTES as W
+    from offload.infer.plan import WORKSPACE_FIXED_BYTES as W
     with pytest.raises(BudgetError, match="below one block"):
         _plan(device_budget=MB // 2)
     with pytest.raises(BudgetError, match="--batch-size 4"):
@@ -224,8 +224,8 @@ def test_planner_refusals_say_what_fits():
 
 def test_illegal_block_transitions_raise(ckpt):
     """The block states move only along the legal edges; a wrong call raises instead of
-    returning silently (offload/stream.py, BlockState)."""
-    from offload.stream import BlockState
+    returning silently (offload/stream/streamer.py, BlockState)."""
+    from offload.stream.streamer import BlockState
     with CheckpointReader(ckpt) as reader:
         model, streamer = load_streamed(reader, ["device", "cpu", "cpu", "nvme"], device="cpu",
                                         dtype=torch.float32, zero_copy_host=False)
@@ -264,7 +264,7 @@ def test_a_failed_read_gives_the_slot_back(tmp_path):
     """A fetch whose read fails surfaces in wait(); the block is absent again and its slot free,
     so the streamer can be released and closed cleanly."""
     import os
-    from offload.stream import BlockState
+    from offload.stream.streamer import BlockState
     save_pretrained(build_model(CFG, "cpu", torch.float32, source=5), tmp_path)
     with CheckpointReader(tmp_path) as reader:
         model, streamer = load_streamed(reader, ["nvme"] * 4, device="cpu", dtype=torch.float32)

@@ -93,7 +93,7 @@ def test_streamed_with_injected_fetch_delay_is_identical(tmp_path):
 @pytest.mark.parametrize("params", ["cpu", "nvme"])
 def test_frozen_block_params_are_streamed_and_the_rest_trains(params, tmp_path):
     """A layer with a frozen parameter (any model, not only LoRA): offload_params streams the
-    frozen parameters (offload/frozen_stream.py) and the trainable ones stay resident; the
+    frozen parameters (offload/stream/frozen.py) and the trainable ones stay resident; the
     result equals plain PyTorch's AdamW over the same batches."""
     from test_engine import reference_train
     torch.manual_seed(0)

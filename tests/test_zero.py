@@ -1,4 +1,4 @@
-"""ZeRO stages across data-parallel ranks (offload/zero.py), each rank a gloo process on this
+"""ZeRO stages across data-parallel ranks (offload/zero/group.py), each rank a gloo process on this
 machine started with torchrun's environment (tests/zero_ranks.py): the trained masters and
 losses equal torch.optim.AdamW over the same global batch in one process, and the bytes per
 collective and per tier are the ZeRO paper's."""
@@ -87,9 +87,9 @@ def block_sizes(masters: dict) -> tuple[list[int], int]:
 
 
 def rest_gathered(kind: str) -> int:
-    """Elements the non-layer modules gather in one forward at stage 3 (offload/zero_rest.py):
+    """Elements the non-layer modules gather in one forward at stage 3 (offload/zero/rest.py):
     each module its own parameters, a tied head's weight once more."""
-    from offload.blocks import find_block_list
+    from offload.memory.blocks import find_block_list
     model = make_model(kind)
     layers = {id(p) for p in model.get_submodule(find_block_list(model)[0]).parameters()}
     return sum(p.numel() for m in model.modules() for p in m._parameters.values()
@@ -109,7 +109,7 @@ def check_sent(sent: dict, stage: int, phi: int, world: int, accum: int,
     want = ({"all_reduce": 2 * part} if stage == 0 else
             {"reduce_scatter": part * (accum if stage >= 2 else 1), "all_gather": part})
     if stage == 3:
-        from offload.zero import Shards
+        from offload.zero.group import Shards
         layers, _ = block_sizes(masters)
         pad = [Shards(n, world).padded for n in layers]
         scale = (world - 1) / world * 4
@@ -362,7 +362,7 @@ def test_delayed_update_across_ranks_matches_one_process(two_ranks, three_ranks)
 def test_what_ranks_refuse_is_one_line():
     """Across ranks: streamed weights need stage 3, the delayed update stages 0-2."""
     from offload.config import OffloadConfig
-    from offload.placement import across_ranks_error
+    from offload.train.build import across_ranks_error
     ok = dict(device="cpu", offload="cpu")
     assert across_ranks_error(OffloadConfig(**ok, zero_stage=2, delayed_update=True)) is None
     assert across_ranks_error(OffloadConfig(**ok, zero_stage=3, offload_params="cpu")) is None
@@ -481,6 +481,6 @@ def test_saved_shards_resume_exactly_and_on_other_world_sizes(two_ranks, three_r
     meta = json.loads(open(meta_path).read())
     meta["shards"]["pieces"][0][1][1] += 64  # a gap between rank 0's piece and rank 1's
     open(meta_path, "w").write(json.dumps(meta))
-    with pytest.raises(offload.engine.StateError, match="does not describe how block"):
+    with pytest.raises(offload.train.engine.StateError, match="does not describe how block"):
         engine.load_state(saved)
     engine.close()

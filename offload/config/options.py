@@ -129,7 +129,7 @@ class OffloadConfig:
     # the first delayed_update_warmup updates are synchronous (early training moves fastest).
     delayed_update: bool = False
     delayed_update_warmup: int = 0
-    # ZeRO across data-parallel ranks (torchrun; offload/zero.py): 0 = every rank keeps all
+    # ZeRO across data-parallel ranks (torchrun; offload/zero/group.py): 0 = every rank keeps all
     # optimizer state and all-reduces gradients, 1 = masters and moments sharded across ranks,
     # 2 = the gradients kept for the step sharded too. One process: every stage is the same.
     zero_stage: int = 0
@@ -234,7 +234,7 @@ class OffloadConfig:
     def grad_landing(self, num_blocks: int, device: torch.device,
                      world: int = 1) -> tuple[GradStorageName, int]:
         """Which gradient landing buffers a model of `num_blocks` blocks gets on `device`, and
-        how many pool buffers (offload/grad_storage.py): "adopted" (no buffers: autograd's own
+        how many pool buffers (offload/grads/storage.py): "adopted" (no buffers: autograd's own
         gradients are kept) where they are made in host memory (the CPU device), nothing is
         summed (no accumulation) and they are all held until the step after backward anyway;
         "pooled" needs the overlapped step (each block consumed as soon as it lands), no

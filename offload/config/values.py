@@ -54,7 +54,7 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 Placement = Literal["none", "cpu", "nvme"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 StepPathName = Literal["after", "overlapped", "delayed"]  # how the step meets backward
-# offload/grad_storage.py; "sharded": ZeRO stage 2's (offload/zero_grads.py), "double_sharded"
+# offload/grads/storage.py; "sharded": ZeRO stage 2's (offload/zero/grads.py), "double_sharded"
 # its two sets of shards for the delayed update
 GradStorageName = Literal["per_block", "pooled", "double", "adopted", "sharded", "double_sharded"]
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",

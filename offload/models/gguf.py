@@ -12,7 +12,7 @@ llama.cpp's layouts (plain F32/F16/BF16, or blocks of quantized values with per-
   rotary halves of q_proj/k_proj rows per head, so those rows are put back in Hugging Face order;
 - `.tokenizer_files()`: the Hugging Face tokenizer files the metadata implies (tokenizer.json
   built with `tokenizers`, tokenizer_config.json with the chat template, special_tokens_map.json,
-  generation_config.json), so `offload.tokenizer.Tokenizer` and an export treat it like any
+  generation_config.json), so `offload.data.tokenizer.Tokenizer` and an export treat it like any
   checkpoint.
 `gguf_checkpoint_dir` converts a file once into a Hugging Face directory in a cache; the runners
 use that, because the streamer reads NVMe-resident blocks as raw safetensors byte ranges.

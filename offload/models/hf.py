@@ -30,7 +30,7 @@ from nvme.format import (FormatError, SafetensorsFile, fsync_dir, open_regular, 
 from offload.models.config import (ConfigError, ModelConfig, block_parameter_shapes, block_prefix,
                                    parameter_shapes)
 from offload.models.llama import LlamaForCausalLM, build_model
-from offload.tiers import all_finite
+from offload.memory.tiers import all_finite
 
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"

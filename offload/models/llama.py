@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload import mapped
+from offload.memory import mapped
 from offload.models import kernels
 from offload.models.attention import attend
 from offload.models.config import ModelConfig, block_prefix
@@ -169,7 +169,7 @@ class _FrozenProjectionCPU(torch.autograd.Function):
     for [32, 14336] @ [14336, 4096] against 0.23 s through fp32, one thread, AMD EPYC, torch
     2.13 -- an 8B LoRA update took over half an hour in it. The forward is F.linear as before;
     the gradient is the exact product rounded once instead of bf16 GEMM rounding.
-    A W mapped from its swap file (offload/mapped.py) is read FROZEN_GRAD_CHUNK_BYTES of fp32
+    A W mapped from its swap file (offload/memory/mapped.py) is read FROZEN_GRAD_CHUNK_BYTES of fp32
     rows at a time in the forward too, each slice's pages handed back after its product, so
     the whole of it is never in the resident set."""
 
@@ -239,7 +239,7 @@ def head_projection(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 class VocabHead(nn.Linear):
     """The lm_head: an nn.Linear (same parameters, same checkpoint names) whose forward is
     head_projection, so that module hooks see every use of its weight (ZeRO stage 3 gathers a
-    module's parameters around its forward: offload/zero_rest.py)."""
+    module's parameters around its forward: offload/zero/rest.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return head_projection(self, x)
@@ -352,7 +352,7 @@ class KVCache:
 
     def written(self, i: int, start: int, end: int) -> None:
         """Layer i wrote positions [start, end): they are where they belong already (the
-        offloaded cache, offload/kv_offload.py, copies them to the host here)."""
+        offloaded cache, offload/infer/kv_cache.py, copies them to the host here)."""
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ the key in its metadata: a conversion killed half way keeps the blocks it finish
 A block file holds its tensors ordered by element size, widest first (fp32/16-bit norms and
 biases, fp16 scales, then the 1-byte codes), so that every tensor starts on a multiple of its
 element size and the whole block can be one uint8 buffer: the block streamer moves it as a
-*byte block* (offload/block_layout.py) from NVMe or host RAM into a device slot as it is, with
+*byte block* (offload/memory/layout.py) from NVMe or host RAM into a device slot as it is, with
 no conversion on the way, and binds each parameter as a view of its own dtype. Embeddings, the
 final norm and the head stay in the compute dtype.
 
@@ -38,7 +38,7 @@ from torch import nn
 
 from nvme.format import FormatError, read_header, write_file, write_json_atomic
 from nvme.io import IOEngine
-from offload.block_layout import TensorRange
+from offload.memory.layout import TensorRange
 from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix
 from offload.quant.matmul import check_kernels, quant_linear
 from offload.quant.format import QuantError, QuantSpec, from_gguf, packed_bytes, quantize
@@ -211,7 +211,7 @@ class QuantizedBlocks:
 class QuantizedSource:
     """What `offload.initialize(model, cfg, source=...)` needs to train over a quantized base
     (QLoRA): the non-block weights from `reader`, each layer's quantized base as the raw byte
-    ranges of its block file (offload/frozen_stream.py streams them as they are stored)."""
+    ranges of its block file (offload/stream/frozen.py streams them as they are stored)."""
 
     def __init__(self, reader, blocks: "QuantizedBlocks"):
         self.reader, self.blocks = reader, blocks
@@ -353,7 +353,7 @@ def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence
     """(model, attached streamer): non-block weights from `reader` in `dtype` on the device, the
     quantized blocks streamed as byte blocks from `blocks`' files per `residency`."""
     from offload.models.llama import build_model, materialize_non_block
-    from offload.stream import BlockStreamer
+    from offload.stream.streamer import BlockStreamer
 
     model = build_model(reader.config, "meta", dtype)
     quantize_layers(model, blocks.specs, dtype)

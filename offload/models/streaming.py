@@ -1,5 +1,5 @@
 """Streaming a Llama-family checkpoint: each decoder layer's tensors read in place from the
-checkpoint's safetensors shards by the block streamer (offload/stream.py), which knows nothing of
+checkpoint's safetensors shards by the block streamer (offload/stream/streamer.py), which knows nothing of
 checkpoints or of the `model.layers.{i}.` naming -- that knowledge lives here, with the model."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from nvme.io import IOEngine
 from offload.models.llama import build_model, materialize_non_block
-from offload.stream import BlockStreamer, TensorRange
+from offload.stream.streamer import BlockStreamer, TensorRange
 
 
 def checkpoint_ranges(reader, layer: int) -> list[TensorRange]:

@@ -27,8 +27,8 @@ from concurrent.futures import Future
 
 import torch
 
-from offload.blocks import Block
-from offload.tiers import LinkCounter, MemoryAccount, PlanBytes, host_zeros, started_worker
+from offload.memory.blocks import Block
+from offload.memory.tiers import LinkCounter, MemoryAccount, PlanBytes, host_zeros, started_worker
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -40,7 +40,7 @@ def whole_blocks(blocks: list[Block]) -> list[tuple[int, int]]:
 
 class ResidentState:
     """`ranges`: per block, the [lo, hi) of its elements whose state this process keeps (its
-    ZeRO shard, offload/zero.py); units, reads and loads are in those block offsets."""
+    ZeRO shard, offload/zero/group.py); units, reads and loads are in those block offsets."""
 
     def __init__(self, blocks: list[Block], tier: str, device: torch.device, pin: bool,
                  account: MemoryAccount, ranges: list[tuple[int, int]] | None = None):

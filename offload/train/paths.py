@@ -1,0 +1,170 @@
+"""How an update's CPU step meets backward: one small policy object per step path.
+
+Every path answers the same three calls from the engine, in this order per update:
+  backward_begins(last_micro)  before the backward of a micro-batch (the window's last one
+                               when `last_micro`);
+  block_done(bi)               block bi's final gradients have landed (only while the path has
+                               set itself as the landing's `on_block_done`);
+  step(rep) -> applied         at the accumulation boundary, after every gradient has landed.
+
+  AfterBackward  the plain loop: the whole step runs in step(), after backward;
+  Overlapped     each block is stepped on the step thread as soon as its gradients land, while
+                 backward goes on (same math: only when nothing global -- clipping, an fp16
+                 overflow check -- is needed first); across ranks, as soon as its gradient is
+                 averaged over them (the step thread waits for the reduction, not backward);
+  Delayed        (offload/train/delayed.py) the whole step of update t runs during the forward and
+                 backward of update t+1, one step stale (ZeRO-Offload's DPU).
+
+A path holds only its own state (the overlapped step's jobs, the delayed step's pending job
+and shadow weights); the update itself is an `Update` the engine builds (begin_update) and the
+`BlockStepper` applies (offload/train/stepper.py). The engine picks the path once, from
+OffloadConfig.step_path().
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from offload.train.state import NonFiniteError
+from offload.train.stepper import StepReport
+
+if TYPE_CHECKING:
+    from offload.train.engine import Engine
+
+
+class AfterBackward:
+    """The whole step in step(), after backward (also every path's fallback)."""
+    name = "after"
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    # -- the three entry points -------------------------------------------------------------
+    def backward_begins(self, last_micro: bool) -> None:
+        pass
+
+    def block_done(self, bi: int) -> None:
+        raise AssertionError("the after-backward path does not step blocks during backward")
+
+    def step(self, rep: StepReport) -> bool:
+        """Norm -> clip / overflow check -> every block stepped; False when skipped (inf/nan)."""
+        e = self.engine
+        grad_scale, norm = e.grad_scale()
+        rep.loss_scale, rep.grad_norm = e.loss_scale, norm
+        if grad_scale is None:  # non-finite (fp16: overflow, scale lowered): nothing touched
+            rep.applied, rep.nonfinite = False, True
+            return False
+        update = e.begin_update(grad_scale)
+        e.stepper.finish(update, rep, e.step_order(), e.unit_order())
+        return True
+
+    # -- what anything that reads the state must wait for ------------------------------------
+    @property
+    def pending(self) -> bool:
+        """An applied update whose weights the model does not compute with yet."""
+        return False
+
+    def join(self) -> None:
+        """Wait for any step work still running (re-raising its failure)."""
+
+    def flush(self) -> None:
+        """Make pending weights live now."""
+
+
+class Overlapped(AfterBackward):
+    name = "overlapped"
+
+    def __init__(self, engine: "Engine"):
+        super().__init__(engine)
+        self.jobs: list[Future] | None = None  # one per block stepped during this backward
+        self.job_rep = StepReport()  # the step thread's time split for those blocks
+        self.poisoned: int | None = None  # first block with inf/nan gradients
+
+    def backward_begins(self, last_micro: bool) -> None:
+        e = self.engine
+        if not last_micro:
+            return
+        # an update with a non-finite loss is skipped, so no block may be stepped while this
+        # backward runs (the one host sync the overlapped path pays for the guard); across
+        # ranks every rank must begin in backward or none: one small all-reduce agrees
+        finite = e.losses_finite()
+        if e.zero is not None:
+            finite = not e.zero.any_rank(not finite)
+        if not finite:
+            return
+        # the update's math needs nothing global (no clipping, no overflow check), so it is
+        # fixed now and each block is stepped by the step thread as its final gradients land
+        e.begin_update(1.0)
+        self.poisoned = None
+        self.job_rep = StepReport()
+        self.jobs = []
+        # the engine unsets both when backward ends
+        if e.zero is None:
+            e.grads.on_block_done = self.block_done
+        else:  # across ranks a block is stepped once its gradient is averaged over them
+            e.reductions.on_issued = self.block_reducing
+
+    def block_done(self, bi: int) -> None:
+        """Called when block bi's final gradients have landed (autograd thread on CPU, landing
+        worker on CUDA): step it on the step thread while backward continues."""
+        if self._finite(bi):
+            self.jobs.append(self.engine.step_thread.submit(
+                self.engine.stepper.step_block, self.engine.update, bi, self.job_rep))
+
+    def block_reducing(self, bi: int) -> None:
+        """Across ranks: block bi's gradients all landed on this rank and their reduction was
+        just issued (on the landing thread). Its job on the step thread first waits for the
+        reduction -- the step thread waits, backward goes on -- then steps this rank's part."""
+        if self._finite(bi):
+            self.jobs.append(self.engine.step_thread.submit(self._step_reduced, bi))
+
+    def _step_reduced(self, bi: int) -> None:
+        e = self.engine
+        e.reductions.complete_through(bi)
+        e.stepper.step_block(e.update, bi, self.job_rep)
+
+    def _finite(self, bi: int) -> bool:
+        """Block bi's gradients (this rank's) are finite; else it is not stepped, nor any
+        block after it, and step() stops. Orders its upload after backward's kernels."""
+        e = self.engine
+        if self.poisoned is not None or not e.grads.block_finite(bi):
+            # a finite loss with inf/nan gradients: this block is not stepped; step() stops
+            if self.poisoned is None:
+                self.poisoned = bi
+            return False
+        e.order_upload_after_backward(bi)
+        return True
+
+    def step(self, rep: StepReport) -> bool:
+        if self.jobs is None:  # not begun in backward (a non-finite loss): the plain step
+            return super().step(rep)
+        e = self.engine
+        t0 = time.perf_counter()
+        for job in self.jobs:
+            job.result()  # re-raises a failure of the step thread
+        rep.overlap_wait_s = time.perf_counter() - t0
+        rep.overlapped_blocks = len(self.jobs)
+        self.jobs = None
+        poisoned = self.poisoned is not None
+        if e.zero is not None:  # any rank's inf/nan went into every rank's averaged gradients
+            poisoned = e.zero.any_rank(poisoned)
+        if poisoned:
+            where = (e.blocks[self.poisoned].name if self.poisoned is not None
+                     else "another rank's gradients")
+            raise NonFiniteError(
+                f"non-finite gradients in {where} with a finite loss, "
+                f"after {rep.overlapped_blocks} blocks of this update were already stepped "
+                f"(the overlapped step applies each block as its gradients land); the in-memory "
+                f"state is inconsistent: resume from the last checkpoint (untouched), and set "
+                f"grad_clip (--grad-clip) so every gradient is checked before any block is "
+                f"stepped")
+        e.update.missing = e.take_missing()  # blocks not stepped yet may miss slots
+        o = self.job_rep
+        rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
+        rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
+        e.stepper.finish(e.update, rep, e.step_order(), e.unit_order())
+        e.counters.on_applied(e.cfg)
+        return True
+

@@ -1,0 +1,294 @@
+"""Saving and restoring the engine's training state: masters, Adam moments and counters.
+
+One safetensors file per block (written atomically), then `engine_state.json` last, so a
+directory whose json exists is complete. Across data-parallel ranks at ZeRO stages 1-3 each rank
+writes its shard of each block (`block-B.rank-R.safetensors`, its [lo, hi) in the json's
+"shards"), and rank 0 writes the json once every rank's files are written. A load reads, for
+each block, the pieces that overlap the range this process owns now -- so a state saved by N
+ranks resumes on M ranks or in one process (and one process's on N ranks) with no conversion
+step. Everything read back is validated (layout against
+this model, counters, shapes and dtypes) and refused in one line that says what to do. A
+delayed update still pending at the save is saved as it is (offload/train/delayed.py): the weights
+in use go beside the masters, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import nvme.format as nvme_format  # write_file looked up per call: fault injection replaces it
+from nvme.format import FormatError, SafetensorsFile
+from offload.optim.state import NvmeState
+from offload.memory.tiers import all_finite
+
+if TYPE_CHECKING:
+    from offload.train.engine import Engine
+
+
+class StateError(RuntimeError):
+    """A saved training state cannot be restored into this engine."""
+
+
+class NonFiniteError(StateError):
+    """Training produced inf/nan where it must not go on (too many skipped updates in a row,
+    or a state about to be saved); nothing non-finite was written."""
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse to save state holding inf/nan: the last good checkpoint must stay."""
+    for kind, t in tensors.items():
+        if not all_finite(t):
+            raise NonFiniteError(f"{where}: the {kind} holds inf/nan values; not saving it (the "
+                                 f"last checkpoint stays as it was) — the run diverged or its "
+                                 f"state was damaged: resume from that checkpoint with a lower "
+                                 f"learning rate or gradient clipping")
+
+
+def layout(engine: "Engine") -> list[dict[str, Any]]:
+    return [{"name": b.name, "numel": b.numel,
+             "params": [[s.name, list(s.shape)] for s in b.slots]} for b in engine.blocks]
+
+
+def state_meta(engine: "Engine") -> dict[str, Any]:
+    """Everything besides the tensors that a resumed run needs to continue exactly."""
+    return {"format": "offload-engine-state", "version": 1, **engine.counters.to_meta(),
+            "lr": engine.lr, "dtype": engine.cfg.dtype,
+            "delayed_pending": engine.delayed is not None and engine.delayed.pending,
+            "layout": layout(engine)}
+
+
+def save_state(engine: "Engine", directory: str) -> None:
+    """Write masters, moments and counters into `directory` (one safetensors file per block,
+    each written atomically, then engine_state.json last: a directory whose json exists is
+    complete). Only whole updates are saved: call at an accumulation boundary."""
+    if engine.micro_step % engine.cfg.grad_accum_steps:
+        raise RuntimeError("save_state in the middle of gradient accumulation; save after the "
+                           "step() that applied an update")
+    # A delayed update whose weights are not live yet is saved as it is: the masters
+    # already include it and the weights in use are saved beside them ("live"), so the
+    # resumed run computes with the same stale weights as the run that goes on.
+    engine.join_delayed()
+    pending = engine.delayed is not None and engine.delayed.pending
+    os.makedirs(directory, exist_ok=True)
+    zero = engine.zero
+    if zero is not None and zero.stage >= 1:
+        _save_shards(engine, directory)
+        return
+    if zero is None or zero.rank == 0:  # stage 0: every rank holds the same whole state
+        for bi, block in enumerate(engine.blocks):
+            tensors = engine.optimizer_state(bi)
+            check_finite(tensors, f"block {block.name}")
+            if pending:
+                tensors["live"] = engine.flat16[bi].cpu()
+            nvme_format.write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
+                       tensors, {"block": block.name})
+        _write_meta(directory, state_meta(engine))
+    if zero is not None:
+        zero.barrier()  # nobody goes on before the state is complete
+
+
+def _write_meta(directory: str, meta: dict[str, Any]) -> None:
+    tmp = os.path.join(directory, "engine_state.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, "engine_state.json"))
+
+
+def _save_shards(engine: "Engine", directory: str) -> None:
+    """Each rank its own shard of every block; the json (rank 0) after all are written. A
+    shard with inf/nan stops every rank before the json exists (the save is incomplete, so
+    the previous checkpoint stays the one to resume from)."""
+    zero = engine.zero
+    bad = None
+    # a pending delayed update (stages 1-2): each rank saves its part of the weights in use
+    pending = engine.delayed is not None and engine.delayed.pending
+    for bi, block in enumerate(engine.blocks):
+        lo, hi = engine.owned(bi)
+        if hi <= lo:
+            continue
+        tensors = {k: engine.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+        if pending:
+            tensors["live"] = engine.flat16[bi][lo:hi].cpu()
+        try:
+            check_finite(tensors, f"block {block.name} (rank {zero.rank}'s shard)")
+        except NonFiniteError as e:
+            bad = e
+            break
+        nvme_format.write_file(os.path.join(directory, _shard_file(bi, zero.rank)), tensors,
+                               {"block": block.name, "lo": str(lo), "hi": str(hi)})
+    if zero.any_rank(bad is not None):
+        raise bad or NonFiniteError("another rank's optimizer state holds inf/nan values; not "
+                                    "saving (the last checkpoint stays as it was)")
+    if zero.rank == 0:
+        shards = [[[r, *zero.shards(b.numel).range(r)] for r in range(zero.world)
+                   if _nonempty(zero.shards(b.numel).range(r))] for b in engine.blocks]
+        _write_meta(directory, {**state_meta(engine), "shards": {"world": zero.world,
+                                                                 "pieces": shards}})
+    zero.barrier()
+
+
+def _nonempty(rng: tuple[int, int]) -> bool:
+    return rng[1] > rng[0]
+
+
+def _shard_file(bi: int, rank: int) -> str:
+    return f"block-{bi:05d}.rank-{rank:05d}.safetensors"
+
+
+def load_state(engine: "Engine", directory: str) -> None:
+    """Restore what save_state wrote; refuses a state saved from a different model."""
+    meta, meta_path = _read_meta(directory)
+    if engine.delayed is not None:
+        engine.delayed.drop()  # everything below overwrites what the pending job produced
+    skips, pending = _check_meta(engine, meta, meta_path, directory)
+    pieces = _pieces(engine, meta, meta_path, directory)
+    for bi in range(len(engine.blocks)):
+        _load_block(engine, bi, pending, pieces[bi])
+    if engine.gathers_weights:  # each rank loaded its shard of the 16-bit weights
+        engine.zero.gather_weights(engine.flat16_padded, engine.step_order())
+    engine.counters.load_meta({**meta, "slot_skips": skips})
+    engine.lr = meta["lr"]
+    if pending and engine.delayed is not None:
+        engine.delayed.mark_pending()  # the next step() makes the masters' weights live
+    if isinstance(engine.state, NvmeState):
+        engine.state.end_step(engine.unit_order(), engine.global_step)
+
+
+def _read_meta(directory: str) -> tuple[dict, str]:
+    """engine_state.json of a saved state, and its path; StateError when missing or unreadable."""
+    meta_path = os.path.join(directory, "engine_state.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise StateError(f"{directory}: no engine_state.json — not a saved training state "
+                         f"(or the save was interrupted)") from None
+    except (OSError, ValueError, RecursionError) as e:  # bad JSON or UTF-8, deep nesting
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise StateError(f"{meta_path}: unreadable ({reason}); the saved state is damaged — "
+                         f"resume from another checkpoint") from None
+    if not isinstance(meta, dict) or meta.get("format") != "offload-engine-state":
+        raise StateError(f"{meta_path}: not an offload engine state")
+    return meta, meta_path
+
+
+def _check_meta(engine: "Engine", meta: dict, meta_path: str, directory: str
+                ) -> tuple[dict, bool]:
+    """Refuse a state from another model, dtype or configuration, or with damaged counters;
+    returns the validated slot_skips and whether a delayed update was pending."""
+    if meta.get("layout") != layout(engine):
+        raise StateError(f"{directory}: the saved state is for a different model (its "
+                         f"parameter names or shapes differ from this model's); resume with "
+                         f"the model it was saved from or start a fresh run")
+    for key, kind in (("global_step", int), ("micro_step", int), ("clean_steps", int),
+                      ("hysteresis_left", int), ("skipped_steps", int),
+                      ("loss_scale", (int, float)), ("lr", (int, float))):
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind) or (
+                isinstance(value, float) and not math.isfinite(value)) or value < 0 or (
+                key == "loss_scale" and value == 0):
+            raise StateError(f"{meta_path}: {key!r} is missing or not a valid number "
+                             f"({value!r}); the saved state is damaged — resume from "
+                             f"another checkpoint")
+    skips = meta.get("slot_skips", {})
+    names = {s.name for b in engine.blocks for s in b.slots}
+    if not isinstance(skips, dict) or not all(
+            k in names and type(v) is int and 0 < v <= meta["global_step"] for k, v in skips.items()):
+        raise StateError(f"{meta_path}: 'slot_skips' must map this model's parameter names to "
+                         f"update counts in [1, global_step]; the saved state is damaged — resume "
+                         f"from another checkpoint")
+    if meta.get("dtype") != engine.cfg.dtype:
+        raise StateError(f"{meta_path}: saved with dtype {meta.get('dtype')!r}, this engine runs "
+                         f"{engine.cfg.dtype!r} (the loss scale and gradient rounding differ); "
+                         f"resume with the dtype it was saved with")
+    if meta["micro_step"] % engine.cfg.grad_accum_steps or \
+            meta["micro_step"] < meta["global_step"] * engine.cfg.grad_accum_steps:
+        raise StateError(f"{meta_path}: micro_step {meta['micro_step']} does not fit global_step "
+                         f"{meta['global_step']} with grad_accum_steps "
+                         f"{engine.cfg.grad_accum_steps} (states are saved at an update "
+                         f"boundary); the saved state is damaged or from another configuration")
+    pending = meta.get("delayed_pending", False)
+    if not isinstance(pending, bool):
+        raise StateError(f"{meta_path}: 'delayed_pending' must be true or false, got "
+                         f"{pending!r}; the saved state is damaged — resume from another "
+                         f"checkpoint")
+    return skips, pending
+
+
+def _pieces(engine: "Engine", meta: dict, meta_path: str,
+            directory: str) -> list[list[tuple[str, int, int]]]:
+    """Per block, the files its state was saved in and the [lo, hi) each holds: one whole-block
+    file (one process, or stage 0), or one per rank (stages 1-3), checked to tile the block."""
+    shards = meta.get("shards")
+    if shards is None:
+        return [[(os.path.join(directory, f"block-{bi:05d}.safetensors"), 0, b.numel)]
+                for bi, b in enumerate(engine.blocks)]
+    pieces = shards.get("pieces") if isinstance(shards, dict) else None
+    out = []
+    for bi, b in enumerate(engine.blocks):
+        rows = pieces[bi] if isinstance(pieces, list) and bi < len(pieces) else None
+        ok = (isinstance(rows, list) and len(pieces) == len(engine.blocks)
+              and all(isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r)
+                      for r in rows))
+        if ok:
+            bounds = [0] + [x for _, lo, hi in rows for x in (lo, hi)] + [b.numel]
+            ok = all(bounds[k] == bounds[k + 1] for k in range(0, len(bounds), 2)) and \
+                all(lo < hi for _, lo, hi in rows)
+        if not ok:
+            raise StateError(f"{meta_path}: 'shards' does not describe how block {b.name!r} "
+                             f"was split across ranks; the saved state is damaged — resume "
+                             f"from another checkpoint")
+        out.append([(os.path.join(directory, _shard_file(bi, r)), lo, hi) for r, lo, hi in rows])
+    return out
+
+
+def _load_block(engine: "Engine", bi: int, pending: bool,
+                pieces: list[tuple[str, int, int]]) -> None:
+    """Block bi's masters and moments over the range this process owns (its shard across
+    ranks) from the saved pieces that overlap it, into the optimizer state, and its 16-bit
+    weights (from the masters, or the saved live weights of a pending delayed update) into
+    their tier."""
+    block = engine.blocks[bi]
+    lo, hi = engine.owned(bi)
+    values = {k: torch.empty(hi - lo, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
+    # a pending delayed update's weights in use, over [lo, hi) too (saved whole or per rank)
+    live = torch.empty(hi - lo, dtype=engine.dtype) if pending else None
+    for path, plo, phi in pieces:
+        a, b = max(lo, plo), min(hi, phi)
+        if a >= b:
+            continue
+        try:
+            with SafetensorsFile(path) as f:
+                saved = {k: f.read(k) for k in values}
+                saved_live = f.read("live") if pending else None
+        except (FormatError, KeyError, OSError) as e:
+            raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
+        for kind, t in saved.items():
+            if t.shape != (phi - plo,) or t.dtype != torch.float32:
+                raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "
+                                 f"expected ({phi - plo},) float32")
+            values[kind][a - lo:b - lo] = t[a - plo:b - plo]
+        if saved_live is not None:
+            if saved_live.shape != (phi - plo,) or saved_live.dtype != engine.dtype:
+                raise StateError(f"{path}: live weights have shape {tuple(saved_live.shape)} "
+                                 f"{saved_live.dtype}, expected ({phi - plo},) {engine.dtype}")
+            live[a - lo:b - lo] = saved_live[a - plo:b - plo]
+    for kind, t in values.items():
+        engine.state.load(bi, kind, t)
+    if bi in engine.layer_of:  # 16-bit weights follow the masters, in their tier
+        engine.streaming.load_weights(engine.layer_of[bi], values["master"].to(engine.dtype))
+    elif live is not None and engine.delayed is not None:
+        # the saved run was computing with the weights from before its last update; across
+        # ranks each rank fills its part of both, gathered after (load_state, the next step)
+        engine.flat16[bi][lo:hi].copy_(live)
+        engine.delayed.shadow[bi][lo:hi].copy_(values["master"])
+    else:  # not delayed now: the pending update simply goes live
+        base = engine.weight_base(bi)  # stage 3: the home is this rank's shard
+        engine.flat16[bi][lo - base:hi - base].copy_(values["master"])

@@ -1,0 +1,283 @@
+"""One optimizer update as a value, and the block stepper that applies it.
+
+An `Update` is fixed when it begins (Engine.begin_update): its step number, learning rate and
+gradient scale, the slots without a gradient, and where new 16-bit weights go. The
+`BlockStepper` applies it one block at a time -- optimizer state in, one fused AdamW pass, state
+out, the new 16-bit weights on to their tier -- from whichever thread the step path chose: the
+main thread after backward, the step thread while backward runs (overlapped), or the step
+thread during the next forward and backward (delayed). What moves between threads is the
+Update and the blocks' buffers; the stepper's own rings are used by one update at a time.
+
+Where a block's new weights go (`_target`):
+  direct  the device buffer itself (the device is the CPU, or offload="none");
+  ring    a pinned upload-ring slot, then uploaded on the engine's H2D stream (CUDA);
+  host    a streamed block's host buffer (cpu tier): fetched from there next forward;
+  nvme    a write-behind ring slot, then the block's weight swap file (nvme tier).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from offload.gpu import host_event, on_stream, side_stream_delay
+from offload.optim.adamw import cpu_adamw_step
+from offload.memory.tiers import PlanBytes, host_empty
+
+if TYPE_CHECKING:
+    from offload.train.engine import Engine
+
+
+@dataclass
+class StepReport:
+    """Where one optimizer update's time went, and the bytes it moved per link."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    grad_wait_s: float = 0.0  # waiting for device->host gradient copies after backward
+    cpu_step_s: float = 0.0  # AdamW kernels
+    io_wait_s: float = 0.0  # waiting for optimizer state reads/writes (nvme)
+    upload_s: float = 0.0  # 16-bit weights host->device
+    step_s: float = 0.0  # the whole engine.step() call that applied the update
+    bytes: dict[str, int] = field(default_factory=dict)  # link -> bytes this update
+    overlap_wait_s: float = 0.0  # waiting at step() for work on the step thread
+    # the parts of cpu_step_s / upload_s that ran on the step thread, overlapped with forward
+    # and backward (so not in this update's wall time)
+    hidden_cpu_step_s: float = 0.0
+    hidden_upload_s: float = 0.0
+    overlapped_blocks: int = 0  # blocks stepped while backward was still running
+    comm_wait_s: float = 0.0  # across ranks: waiting for gradient and weight collectives
+    delayed: bool = False  # this update's CPU step runs during the next forward and backward
+    applied: bool = True
+    nonfinite: bool = False  # skipped: a loss or gradient was inf/nan (fp16 overflow included)
+    loss_scale: float = 1.0
+    grad_norm: float | None = None
+    # CUDA: GPU time of the forwards and backwards whose kernels had finished when this update
+    # was applied, from timing events on the compute stream (forward_s / backward_s are host
+    # time: on a GPU, mostly the time to queue kernels). None on the CPU device.
+    forward_gpu_s: float | None = None
+    backward_gpu_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class Update:
+    step: int  # this update's AdamW step number (the engine's global_step once it began)
+    lr: float  # fixed for the update: a delayed one runs while the schedule moves on
+    grad_scale: float  # what every gradient is multiplied by (clip coefficient / loss scale)
+    io0: float  # the optimizer state's IO wait when the update began
+    # block -> its slots that got no gradient in the window (known at step(); the overlapped
+    # path begins before it and fills this in then)
+    missing: dict[int, set[str]] = field(default_factory=dict)
+    weights_out: list[torch.Tensor] | None = None  # None: the live device buffers (flat16)
+    stepped: set[int] = field(default_factory=set)
+    k: int = 0  # blocks stepped so far: rotates the rings
+
+
+def upload_ring_len(buffer_count: int, num_blocks: int) -> int:
+    """Pinned slots new 16-bit weights are uploaded from: a block can be stepped into one while
+    the previous one's upload runs."""
+    return max(2, min(buffer_count, num_blocks))
+
+
+def torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+                     eps: float, weight_decay: float, grad_scale: float = 1.0,
+                     out16: torch.Tensor | None = None) -> None:
+    """torch.optim.AdamW's single-tensor math with plain tensor ops, for state that lives on a
+    CUDA device (offload="none"); CPU state uses the fused kernel in offload/optim/adamw.py."""
+    g = grad.float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    if out16 is not None:
+        out16.copy_(master)
+
+
+class BlockStepper:
+    """Applies Updates block by block for `engine` (its state, gradients, weights and links)."""
+
+    def __init__(self, engine: "Engine"):
+        self.e = engine
+        cfg = engine.cfg
+        self.kernel = (torch_adamw_step if (cfg.offload == "none" and engine.cuda) else
+                       functools.partial(cpu_adamw_step, exact=cfg.exact_optimizer))
+        self.weight_writes: list = []  # nvme-tier weight writes of the current update
+        self.weight_ring: list[torch.Tensor] = []  # made at the first nvme-tier block
+        self.ring_writes: dict[int, Any] = {}
+        self.pending_io_s = 0.0
+        self.upload_ring: list[torch.Tensor] = []
+        self.upload_done: list = []
+        if engine.cuda and cfg.offload != "none":  # "none" steps on the device: no ring
+            ring = upload_ring_len(cfg.buffer_count, len(engine.blocks))
+            max_numel = max(b.numel for b in engine.blocks)
+            self.upload_ring = [host_empty(max_numel, engine.dtype, engine.pin) for _ in range(ring)]
+            self.upload_done = [None] * ring
+            engine.account.add("host", "buffers", sum(t.nbytes for t in self.upload_ring))
+
+    @staticmethod
+    def plan_bytes(numels: list[int], nvme_layer_numels: list[int], itemsize: int, *,
+                   cuda: bool, offload: str, buffer_count: int,
+                   pin: Callable[[int], int]) -> PlanBytes:
+        """The pinned upload ring (CUDA, state off the device) and the write-behind ring of the
+        blocks whose 16-bit weights live in swap files (`nvme_layer_numels`; pageable)."""
+        ring = 0
+        if cuda and offload != "none":
+            ring = upload_ring_len(buffer_count, len(numels)) * pin(max(numels) * itemsize)
+        if nvme_layer_numels:
+            ring += buffer_count * max(nvme_layer_numels) * itemsize
+        return {("host", "buffers"): ring} if ring else {}
+
+    def step_block(self, u: Update, bi: int, rep: StepReport,
+                   pieces: dict[int, torch.Tensor] | None = None) -> None:
+        """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier.
+        `pieces`: the block's gradient as GradLanding.step_pieces gives it (default: where it
+        landed in this backward; the delayed update passes the set it swapped out)."""
+        e, cfg = self.e, self.e.cfg
+        beta1, beta2 = cfg.betas
+        out16, where = self._target(u, bi)
+        # block offset of out16[0]: this rank's shard at stage 3 is the home of its weights
+        out_base = e.weight_base(bi)
+        # the gradient as (first block offset, flat tensor) pieces: the whole block's, or one
+        # per slot where they were adopted as autograd made them (grad_storage.Adopted)
+        # (or this rank's shard of it, ZeRO stage 2: keyed by the shard's first offset)
+        per_slot = pieces is None and e.grads.adopted
+        pieces = e.grads.step_pieces(bi) if pieces is None else pieces
+        whole_base = next(iter(pieces))
+        segments = self._segments(u, bi, per_slot)
+        fp32 = e.dtype == torch.float32
+        for unit, lo, hi in e.state.units_of(bi):  # sub-groups of a large block, in order
+            master, exp_avg, exp_avg_sq = e.state.acquire(unit)
+            t0 = time.perf_counter()
+            for begin, end, step in segments or [(lo, hi, u.step)]:
+                a, b = max(begin, lo), min(end, hi)  # block offsets, inside this unit
+                if a >= b:
+                    continue
+                m = slice(a - lo, b - lo)
+                if step is None:  # no gradient this window: left as it is (torch skips it)
+                    if not fp32:
+                        out16[a - out_base:b - out_base].copy_(master[m])
+                    continue
+                base = begin if per_slot else whole_base
+                g = pieces[base][a - base:b - base]
+                self.kernel(master[m], exp_avg[m], exp_avg_sq[m], g, step=step, lr=u.lr,
+                            beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            grad_scale=u.grad_scale,
+                            out16=None if fp32 else out16[a - out_base:b - out_base])
+            # weights that are views of the masters themselves were updated in place
+            if fp32 and where[0] != "shared":
+                out16[lo - out_base:hi - out_base].copy_(master)
+            rep.cpu_step_s += time.perf_counter() - t0
+            e.state.release(unit, modified=True)
+        e.grads.release_buffer(bi)
+        t0 = time.perf_counter()
+        self._send(u, bi, out16, where)
+        rep.upload_s += time.perf_counter() - t0
+        u.stepped.add(bi)
+
+    def _segments(self, u: Update, bi: int,
+                  per_slot: bool = False) -> list[tuple[int, int, int | None]] | None:
+        """Block bi's slots as (begin, end, AdamW step number or None = not stepped), when its
+        slots do not all share the update's step number or `per_slot` asks for them; None (one
+        kernel call) otherwise."""
+        missing = u.missing.get(bi, ())
+        skips = self.e.slot_skips
+        slots = self.e.blocks[bi].slots
+        if not per_slot and not missing and not any(s.name in skips for s in slots):
+            return None
+        return [(s.offset, s.offset + s.numel,
+                 None if s.name in missing else u.step - skips.get(s.name, 0)) for s in slots]
+
+    def finish(self, u: Update, rep: StepReport, order: list[int], unit_order: list[int],
+               sync_compute: bool = True) -> None:
+        """Blocks not stepped yet (in `order`), then make the update durable and visible to the
+        next forward (sync_compute: order the compute stream after the uploads now)."""
+        e = self.e
+        for bi in order:
+            if bi not in u.stepped:
+                self.step_block(u, bi, rep)
+        t0 = time.perf_counter()
+        for h in self.weight_writes:  # nvme-tier weights: the next forward reads the files
+            h.wait()
+        self.weight_writes = []
+        self.ring_writes = {}
+        rep.io_wait_s += time.perf_counter() - t0 + self.pending_io_s
+        self.pending_io_s = 0.0
+        e.state.end_step(unit_order, u.step)
+        if e.cuda and sync_compute:
+            t0 = time.perf_counter()
+            # the next forward runs on the compute stream; it must see the new weights
+            torch.cuda.current_stream(e.device).wait_stream(e.h2d_stream)
+            rep.upload_s += time.perf_counter() - t0
+        rep.io_wait_s += e.state.io_wait_s - u.io0
+
+    def _target(self, u: Update, bi: int) -> tuple[torch.Tensor, tuple[str, int]]:
+        """Where the step writes block bi's new weights (compute dtype), and how they move on
+        (see the module docstring); rotates the rings by u.k."""
+        e = self.e
+        k, u.k = u.k, u.k + 1
+        numel = e.blocks[bi].numel
+        if bi in e.layer_of:
+            target = e.streaming.weight_target(e.layer_of[bi])
+            if target is not None:
+                return target, ("host", -1)
+            if not self.weight_ring:  # aligned: O_DIRECT writes go straight out of it
+                from nvme import aligned_empty
+                largest = max(e.blocks[b].numel for b in e.layer_of)
+                self.weight_ring = [aligned_empty(largest, e.dtype)
+                                    for _ in range(e.cfg.buffer_count)]
+                e.account.add("host", "buffers", sum(t.nbytes for t in self.weight_ring))
+            r = k % len(self.weight_ring)
+            if r in self.ring_writes:  # the slot's previous write must be out before reuse
+                t0 = time.perf_counter()
+                self.ring_writes.pop(r).wait()
+                self.pending_io_s += time.perf_counter() - t0
+            return self.weight_ring[r][:numel], ("nvme", r)
+        if not self.upload_ring:  # the device is the CPU, or offload="none"
+            # weights that are views of the masters: the step updated them, nothing moves
+            kind = "shared" if e.shares_masters and u.weights_out is None else "direct"
+            return (u.weights_out or e.flat16)[bi], (kind, -1)
+        r = k % len(self.upload_ring)
+        done = self.upload_done[r]
+        if done is not None:
+            # the slot's previous upload must have left before the kernel overwrites it: a host
+            # wait on that one (blocking) event, on the thread that steps
+            done.synchronize()
+        return self.upload_ring[r][:numel], ("ring", r)
+
+    def _send(self, u: Update, bi: int, out16: torch.Tensor, where: tuple[str, int]) -> None:
+        e = self.e
+        kind, r = where
+        nbytes = out16.numel() * out16.element_size()
+        if kind == "ring":
+            lo, hi = e.owned(bi)  # across ranks only this rank's shard was stepped
+            lo, hi = lo - e.weight_base(bi), hi - e.weight_base(bi)  # in the home and the ring
+            nbytes = (hi - lo) * out16.element_size()
+            with on_stream(e.h2d_stream):
+                side_stream_delay(e.h2d_stream)  # test knob (offload/gpu.py): a late upload
+                (u.weights_out or e.flat16)[bi][lo:hi].copy_(out16[lo:hi], non_blocking=True)
+                ev = host_event()
+                ev.record(e.h2d_stream)
+            self.upload_done[r] = ev
+        elif kind == "nvme":
+            h = e.streaming.write_weights(e.layer_of[bi], out16)
+            self.ring_writes[r] = h
+            self.weight_writes.append(h)
+            e.links["nvme_write"].add(nbytes)
+            return
+        elif kind == "host":
+            return  # written in place by the kernel; the streamer fetches it next forward
+        elif kind == "shared":
+            return  # the weights are the masters the kernel just updated
+        e.links["h2d"].add(nbytes)
