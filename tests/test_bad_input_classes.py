@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 
 import pytest
@@ -109,16 +110,35 @@ def test_a_strangers_checkpoint(tmp_path, capsys):
 def test_a_strangers_chat_template(smollm2_hf):
     tok = Tokenizer.from_dir(smollm2_hf)
     hi = [{"role": "user", "content": "hi"}]
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for template, msg in (
             ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran past"),
             ("{{ 'x' * 100000000 }}", "builds a string or list"),
             ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "wrote more than"),
-            ("{{ 10 ** 100000 }}", "power over 64")):
+            ("{{ 10 ** 100000 }}", "power over 64"),
+            # each of these allocated gigabytes, overflowed or recursed into a traceback
+            ("{{ '%5000000000s' % 'x' }}", "width 5000000000"),
+            ("{{ '%*s' % (5000000000, 'x') }}", "'\\*' width"),
+            ("{{ '%5000000000s' | format('x') }}", "width 5000000000"),
+            ("{{ '{:5000000000}'.format('x') }}", "format width"),
+            ("{{ '{0:>{1}}'.format('x', 5000000000) }}", "width argument"),
+            ("{{ range(300000000) | join }}", "cannot be rendered .*OverflowError"),
+            ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed too deeply"),
+            ("{{ 'x' | center(5000000000) }}", "'center' filter"),
+            ("{{ 'x' | indent(5000000000) }}", "'indent' filter"),
+            ("{{ 'x'.ljust(5000000000) }}", "str.ljust"),
+            ("{{ 'x'.zfill(5000000000) }}", "str.zfill"),
+            ("{{ ('a' * 1000000) | replace('a', 'b' * 1000000) }}", "replace builds"),
+            ("{{ ('a' * 1000000).replace('a', 'b' * 1000000) }}", "replace builds"),
+            ("{{ [1] | batch(1000000000, 0) | list }}", "'batch' filter"),
+            ("{{ [1, 2] | slice(1000000000) | list }}", "'slice' filter")):
         tok.chat_template = template
         t0 = time.perf_counter()
         with pytest.raises(TokenizerError, match=msg):
             tok.render_chat(hi)
         assert time.perf_counter() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < peak0 + (1 << 30), \
+        "a hostile template allocated over 1 GiB before it was refused"
 
 
 def test_tokenizer_panics_and_bad_text_are_tokenizer_errors(smollm2_hf):

@@ -20,17 +20,17 @@ Without a tokenizer.json (presets with random weights, the built-in tiny model) 
 `ByteTokenizer`: UTF-8 bytes plus BOS and EOS ids, no chat template.
 
 Chat templates are rendered as `transformers`' `apply_chat_template` renders them (same Jinja
-sandbox settings and helpers), so the text is byte-identical.
+sandbox settings and helpers), so the text is byte-identical, and bounded in time, memory and
+recursion (offload/data/template.py).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import time
-from datetime import datetime
 from typing import Any, Mapping, Sequence
+
+from offload.data.template import TemplateLimitError, render
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -46,52 +46,6 @@ Message = Mapping[str, str]
 
 class TokenizerError(ValueError):
     """The tokenizer files are missing, broken, or cannot do what was asked."""
-
-
-TEMPLATE_SECONDS = 5.0  # a chat template renders in microseconds; a stranger's may try to hang
-TEMPLATE_MAX_CHARS = 1 << 24  # 16 M characters: far past any context window
-
-
-@functools.lru_cache(maxsize=None)
-def _bounded_sandbox():
-    """The sandbox class with a time and size budget for one render (set `deadline` before
-    rendering): every step of a `range` loop, every output chunk and every `*` / `**` (string
-    repetition, huge powers) is checked, so a template with nested loops or a huge string fails
-    in one line instead of hanging or exhausting memory. Made once (jinja2 imported lazily)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError, safe_range
-
-    class BoundedSandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**"])
-        deadline = float("inf")
-
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.globals["range"] = self.bounded_range
-
-        def bounded_range(self, *args):
-            for i in safe_range(*args):
-                self.check()
-                yield i
-
-        def check(self, size: int = 0) -> None:
-            if time.monotonic() > self.deadline:
-                raise SecurityError(f"the chat template ran past {TEMPLATE_SECONDS:g} s")
-            if size > TEMPLATE_MAX_CHARS:
-                raise SecurityError(f"the chat template wrote more than {TEMPLATE_MAX_CHARS} "
-                                    f"characters")
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
-                raise SecurityError("the chat template raises a number to a power over 64")
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
-                            len(seq) * n > TEMPLATE_MAX_CHARS:
-                        raise SecurityError("the chat template builds a string or list over "
-                                            f"{TEMPLATE_MAX_CHARS} long")
-            return super().call_binop(context, operator, left, right)
-
-    return BoundedSandbox
 
 
 def _token_text(value: Any) -> str | None:
@@ -280,42 +234,14 @@ class Tokenizer:
         if self.chat_template is None:
             raise TokenizerError(f"{self.source}: this model has no chat template "
                                  f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
-        try:
-            import jinja2
-        except ImportError:  # pragma: no cover - a declared dependency
-            raise TokenizerError("chat templates need the 'jinja2' package (pip install jinja2)") from None
-
-        def raise_exception(message: str) -> None:
-            raise TokenizerError(f"chat template: {message}")
-
-        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-                   separators: Any = None, sort_keys: bool = False) -> str:
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
-
-        # The environment settings transformers renders with, so whitespace matches byte for byte;
-        # bounded (a template comes with a stranger's checkpoint): see _bounded_sandbox
-        env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
-                                 extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         special = {k: _token_text(v) or "" for k, v in self.config.items()
                    if k.endswith("_token") and _token_text(v) is not None}
         special.setdefault("bos_token", self.bos_token or "")
         special.setdefault("eos_token", self.eos_token or "")
-        try:
-            template = env.from_string(self.chat_template)
-            env.deadline = time.monotonic() + TEMPLATE_SECONDS
-            out, size = [], 0
-            for chunk in template.generate(messages=check_messages(messages),
-                                           add_generation_prompt=add_generation_prompt, **special):
-                size += len(chunk)
-                env.check(size)
-                out.append(chunk)
-            return "".join(out)
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"chat template cannot be rendered: {str(e)[:200]}") from None
+        try:  # bounded: a template comes with a stranger's checkpoint (offload/data/template.py)
+            return render(self.chat_template, check_messages(messages), add_generation_prompt, special)
+        except TemplateLimitError as e:
+            raise TokenizerError(str(e)) from None
 
     def encode_chat(self, messages: Sequence[Message] | str, system: str | None = None,
                     add_generation_prompt: bool = True) -> list[int]:
