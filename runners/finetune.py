@@ -66,6 +66,17 @@ def load_model(args: argparse.Namespace):
     return build_model(cfg, device="meta"), cfg, source, tokenizer
 
 
+def model_identity(model_cfg, source) -> str:
+    """A short digest of the model a rank loaded: its config, and for a checkpoint the names and
+    sizes of the files its tensors come from (every rank reads its own copy)."""
+    import hashlib
+
+    files = sorted({(os.path.basename(loc.path), os.path.getsize(loc.path))
+                    for loc in getattr(source, "locations", {}).values()})
+    text = json.dumps([model_cfg.to_hf(), files], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def resolve_checkpoint(model: str) -> str | None:
     """The checkpoint directory --model names (a .gguf file converted into the cache first),
     or None for a preset name."""
@@ -135,10 +146,15 @@ def run(args: argparse.Namespace) -> int:
     from runners.report import Banner
 
     ranks = Ranks.from_env()  # torchrun's environment; one rank without it
-    check_args(args, ranks.world)
     # under torchrun each rank takes the GPU of its local rank
     device = select_device(ranks.local if ranks.many and args.gpu is not None else args.gpu)
     ranks.connect(device)
+    # every rank runs one command: a flag that differs would have each rank train on settings
+    # of its own, or hang in collectives that no longer pair up (each rank picks its own GPU);
+    # compared before any rank may refuse them on its own
+    ranks.agree("their flags", {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items())
+                                if k != "gpu"})
+    check_args(args, ranks.world)
     if args.zero_stage and not ranks.many:  # never silently: the flag needs several ranks
         print(f"note: --zero-stage {args.zero_stage} has no effect in one process; launch with "
               f"torchrun --nproc_per_node N to train on N data-parallel ranks", file=sys.stderr)
@@ -243,6 +259,12 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
     if trainer and trainer.get("data_fingerprint") != stream.fingerprint:
         fail(f"--resume {args.resume}: the data differs from the run that saved the checkpoint")
 
+    # what each rank resolved for itself (--offload auto chooses per rank's free memory; the
+    # data and model are each rank's own files) must be the same before the engine starts
+    ranks.agree("the resolved configuration, data and model", {
+        **{f"config {k}": v for k, v in cfg.to_dict().items() if k != "device"},
+        "data fingerprint": stream.fingerprint, "model": model_identity(model_cfg, source),
+        "resumed at update": trainer.get("step"), "resumed data position": trainer.get("data_position")})
     if lora is not None:  # the base on meta, filled by the engine, and the adapters (finetune_lora.py)
         model, source = lora.build(model_cfg, source, device, cfg.torch_dtype, cfg.offload_params, ranks)
     torch.manual_seed(args.seed)
@@ -449,6 +471,9 @@ def _finish(args, engine, cfg, history, totals, wall: float, tokens_run: int, ev
     print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final, memory))
     if engine.skipped_steps:
         print(f"skipped updates (inf/nan loss or gradients): {engine.skipped_steps}")
+    if ranks.many:  # what checking that the ranks agree cost at start-up
+        print(f"ranks: {ranks.world}, start-up agreement (flags; configuration, data and model) "
+              f"{ranks.agree_s * 1e3:.1f} ms")
     png = write_loss_plot(history, os.path.join(args.output, "loss.png")) if ranks.main else None
     print("\n".join(outputs) + f"\ncheckpoint: {path}\nmetrics: {metrics_path}"
           + (f"\nloss curve: {png}" if png else ""))

@@ -12,14 +12,22 @@ own optimizer-state shards. In one process (no torchrun) all of this is the iden
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
 from offload.zero.group import any_rank, ensure_process_group, env_world
+from runners.common import RunnerError
+
+# the start-up agreement: every rank is there within seconds of the others (they run the same
+# command); a rank that is not is lost or stuck, and the job must say so long before the 60 s
+# timeout of real work (offload/zero/group.py DEFAULT_TIMEOUT_S)
+AGREE_TIMEOUT_S = 20.0
 
 def peer_lost(output: str) -> str:
     return (f"a peer rank stopped answering (it failed, was killed, or the network dropped); "
@@ -32,6 +40,8 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local: int = 0
+    agree_s: float = 0.0  # seconds spent in start-up agreements (reported)
+    _agree_group: Any = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls) -> "Ranks":
@@ -57,10 +67,47 @@ class Ranks:
             return
         ensure_process_group(device)
         self.device = device
+        import torch.distributed as dist
+        # a gloo group of its own for the start-up agreements: a short timeout of its own,
+        # and objects pickled on the CPU whatever the main backend (made here, where every
+        # rank is, since making a group is itself collective)
+        self._agree_group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=AGREE_TIMEOUT_S))
         if not self.main:
             sys.stdout = open(os.devnull, "w")
 
     # -- agreement ----------------------------------------------------------------------------
+    def agree(self, what: str, settings: Mapping[str, Any]) -> None:
+        """Every rank's `settings` ({name: value}) must be equal: one small all-gather at start-up
+        (its own AGREE_TIMEOUT_S), then every rank raises the same one line naming each setting
+        that differs and the ranks' values, before any of them acts on its own."""
+        if not self.many:
+            return
+        import torch.distributed as dist
+        t0 = time.perf_counter()
+        mine = {k: _plain(v) for k, v in settings.items()}
+        got: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(got, mine, group=self._agree_group)
+        except RuntimeError as e:
+            raise RunnerError(
+                f"the ranks did not all reach the start-up check of {what} within "
+                f"{AGREE_TIMEOUT_S:g} s (a rank failed or is stuck before it; see its own error "
+                f"line): {str(e).splitlines()[0][:120]}") from None
+        self.agree_s += time.perf_counter() - t0
+        differ = [k for k in mine if any(g.get(k) != mine[k] for g in got)]
+        differ += [k for g in got for k in g if k not in mine and k not in differ]
+        if differ:
+            parts = []
+            for k in differ[:4]:
+                values = ", ".join(f"rank {r}: {str(g.get(k, '(absent)'))[:60]}"
+                                   for r, g in enumerate(got))
+                parts.append(f"{k} ({values})")
+            more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+            raise RunnerError(f"the ranks disagree on {what}: {'; '.join(parts)}{more}; every "
+                              f"rank of a job must run the same command on the same data and "
+                              f"model (one torchrun command line)")
+
     def barrier(self) -> None:
         if self.many:
             import torch.distributed as dist
@@ -109,6 +156,12 @@ class Ranks:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _plain(value: Any) -> Any:
+    """A setting as compared and shown: numbers, strings, None and booleans as they are,
+    anything else as its repr."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
 
 
 def is_peer_lost(e: BaseException) -> bool:

@@ -166,3 +166,51 @@ def test_qlora_across_two_ranks_matches_one_process(tmp_path):
     worst = max(((a[k].double() - c[k].double()).abs().max()
                  / c[k].double().abs().max().clamp_min(1e-12)).item() for k in a)
     assert worst <= 1e-5, worst
+
+
+def _two_ranks(flags: list[list[str]], cwds: list[str] | None = None,
+               timeout: float = 90) -> list[tuple[int, str, float]]:
+    """Ranks 0 and 1 started by hand with flags (and working directories) of their own: (exit
+    code, stderr, seconds from the start) per rank."""
+    port, procs, t0 = free_port(), [], time.monotonic()
+    for r in (0, 1):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "runners.finetune", *flags[r]],
+                                      cwd=cwds[r] if cwds else ROOT,
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    out = []
+    for p in procs:
+        try:
+            err = p.communicate(timeout=timeout)[1]
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("ranks started with different settings hung")
+        out.append((p.returncode, err, time.monotonic() - t0))
+    return out
+
+
+def test_ranks_started_differently_refuse_at_once(tmp_path):
+    """Ranks given a different --lr, --zero-stage, --steps or --output (each would train on its
+    own settings, hang, or write half a checkpoint), or different data files: every rank exits
+    with one line naming what differs and each rank's value, within seconds of starting."""
+    base = [*FLAGS, "--zero-stage", "1"]
+    flags = [[*base, "--output", str(tmp_path / "a")],
+             [*FLAGS, "--zero-stage", "2", "--lr", "3e-4", "--steps", "7", "--output", str(tmp_path / "b")]]
+    for r, (rc, err, _) in enumerate(_two_ranks(flags)):
+        line = [ln for ln in err.splitlines() if ln.startswith(f"rank {r}: error:")]
+        assert rc == 2 and len(line) == 1, err[-2000:]
+        for flag, a, b in (("--lr", "0.0001", "0.0003"), ("--zero-stage", "1", "2"), ("--steps", "6", "7")):
+            assert f"{flag} (rank 0: {a}, rank 1: {b})" in line[0], line[0]
+        assert "--output" in line[0] and "the ranks disagree on their flags" in line[0]
+    # the same flags, different files behind one --data path: the data's fingerprint differs
+    for r, text in ((0, "first corpus " * 400), (1, "other corpus " * 400)):
+        (tmp_path / f"r{r}").mkdir()
+        (tmp_path / f"r{r}" / "d.txt").write_text(text)
+    flags = [[*base, "--data", "d.txt", "--output", str(tmp_path / "out")]] * 2
+    for r, (rc, err, _) in enumerate(_two_ranks(flags, [str(tmp_path / "r0"), str(tmp_path / "r1")])):
+        line = [ln for ln in err.splitlines() if ln.startswith(f"rank {r}: error:")]
+        assert rc == 2 and len(line) == 1 and "data fingerprint" in line[0], err[-2000:]
+        assert "resolved configuration, data and model" in line[0]
