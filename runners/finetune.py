@@ -66,6 +66,44 @@ def load_model(args: argparse.Namespace):
     return build_model(cfg, device="meta"), cfg, source, tokenizer
 
 
+# under this share of training sequences holding a target token, most updates would have
+# nothing to learn from (chat data whose answers are a sliver of each conversation)
+MIN_TARGET_ROWS = 0.10
+
+
+def check_targets(data, args: argparse.Namespace) -> None:
+    """Refuse, before training, data whose sequences at --seq-len almost never hold a target
+    token; say how many do when some do not (updates without any are skipped and counted)."""
+    rows = data.train_rows_with_targets()
+    share = rows / data.num_train
+    where = (f"--data {args.data or 'the built-in corpus'} at --seq-len {args.seq_len}: {rows} of "
+             f"{data.num_train} training sequences ({100 * share:.1f}%) hold a target token")
+    if share < MIN_TARGET_ROWS:
+        fail(f"{where}; most updates would have nothing to learn from (chat data: the assistant "
+             f"turns are too small a part of each conversation): use data with more assistant "
+             f"text, or a different --seq-len")
+    if rows < data.num_train:
+        print(f"note: {where}; an update whose sequences hold none is skipped (counted in the "
+              f"summary)", file=sys.stderr)
+
+
+def check_position(trainer: dict, args: argparse.Namespace, skipped_updates: int) -> None:
+    """A checkpoint's data position is what its batches took, exactly: --batch-size sequences
+    for each update applied, each skipped for inf/nan (`skipped_updates`, the engine's count)
+    and each skipped for holding no target. Anything else is a damaged or edited state."""
+    empty = trainer.get("empty_batches", 0)
+    if type(empty) is not int or empty < 0:
+        fail(f"--resume {args.resume}: 'empty_batches' must be an integer >= 0, got "
+             f"{str(empty)[:40]!r}; the checkpoint is damaged: resume from another one")
+    expected = args.batch_size * (trainer["step"] + skipped_updates + empty)
+    if trainer.get("data_position", 0) != expected:
+        fail(f"--resume {args.resume}: the checkpoint's data position "
+             f"{str(trainer.get('data_position'))[:40]} is not what its batches took ({expected} "
+             f"sequences: {trainer['step']} updates, {skipped_updates} skipped for inf/nan, "
+             f"{empty} without a target, at --batch-size {args.batch_size}); the checkpoint is "
+             f"damaged or edited: resume from another one")
+
+
 def model_identity(model_cfg, source) -> str:
     """A short digest of the model a rank loaded: its config, and for a checkpoint the names and
     sizes of the files its tensors come from (every rank reads its own copy)."""
@@ -255,6 +293,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
                   tempfile.mkdtemp(prefix=f"offload-tokens-rank{ranks.rank}-"))
     stream = tokenize_to_disk(args.data, tokenizer, tokens_dir, vocab_size=model_cfg.vocab_size)
     data = pack(stream, args.seq_len)
+    check_targets(data, args)
     order = BatchOrder(data.num_train, args.seed, trainer.get("data_position", 0))
     if trainer and trainer.get("data_fingerprint") != stream.fingerprint:
         fail(f"--resume {args.resume}: the data differs from the run that saved the checkpoint")
@@ -278,6 +317,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
                 fail(f"--resume {args.resume}: the checkpoint is inconsistent: its engine state is "
                      f"at update {engine.global_step}, its trainer state at update "
                      f"{trainer['step']}; resume from another checkpoint")
+            check_position(trainer, args, engine.skipped_steps)
     except BaseException:
         engine.close(after_error=True)  # in-process callers get the swap lock back
         raise
@@ -319,7 +359,7 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
         state = {"step": engine.global_step, "data_position": order.position, "rng": rng_state(device),
                  "history": history, "model_config": model_cfg.to_hf(),
                  "data_fingerprint": fingerprint, "trajectory": now,
-                 "eval_loss0": eval_loss0,
+                 "eval_loss0": eval_loss0, "empty_batches": empty_batches,
                  "args": {k: v for k, v in vars(args).items()}}
         if lora is not None:  # the base is re-read on resume: it must be the same one
             state["lora_base_fingerprint"] = lora.base_fingerprint
@@ -337,11 +377,16 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
     t_run = time.perf_counter()
     tokens_run = 0
     start_step = engine.global_step
+    empty_batches = trainer.get("empty_batches", 0)  # batches skipped for holding no target
     # a stop request on any rank stops every rank at the same update (else the ranks'
     # collectives would no longer pair up): one tiny all-reduce per update across ranks
     while engine.global_step < args.steps and not ranks.any(stop.signal is not None) and (
             args.stop_after is None or engine.global_step - start_step < args.stop_after):
-        loss_sum, dt = _one_update(args, engine, model, data, order, micro, device, cfg, ranks)
+        done = _one_update(args, engine, model, data, order, micro, device, cfg, ranks)
+        if done is None:  # a batch without a target token: skipped, counted, saved
+            empty_batches += 1
+            continue
+        loss_sum, dt = done
         tokens_run += args.batch_size * args.seq_len
         row = _update_row(args, engine, loss_sum, dt, micro, totals)
         if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
@@ -360,6 +405,8 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
             checkpoint()
     if progress is not None:
         progress.close()
+    if empty_batches:
+        print(f"batches skipped for holding no target token: {empty_batches}")
     metrics.close()
     wall = time.perf_counter() - t_run
     path = checkpoint()
@@ -383,9 +430,10 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
 
 
 def _one_update(args, engine, model, data, order, micro: int, device, cfg,
-                ranks: Ranks) -> tuple[float, float]:
+                ranks: Ranks) -> tuple[float, float] | None:
     """One optimizer update over batch_size sequences (this rank's share of them) in
-    micro-batches: (summed micro-batch losses, averaged over ranks; seconds). The update's loss
+    micro-batches: (summed micro-batch losses, averaged over ranks; seconds); None, with no
+    update, when the batch holds no target token on any rank. The update's loss
     is the mean over all its target tokens, whichever micro-batch and rank holds them
     (offload/data/formats.py update_token_divisor)."""
     from offload.data.formats import masked_lm_loss, update_token_divisor
@@ -397,6 +445,8 @@ def _one_update(args, engine, model, data, order, micro: int, device, cfg,
     parts = [data.batch(batch[i:i + micro]) for i in range(0, len(batch), micro)]
     # target tokens of the whole update, over ranks (counted on the host: no device sync)
     tokens = ranks.total(float(sum(int(p.mask.sum()) for p in parts)))
+    if tokens == 0:  # nothing to learn from: no update (every rank agrees: the count is global)
+        return None
     divisor = update_token_divisor(tokens, len(parts) * ranks.world)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for part in parts:

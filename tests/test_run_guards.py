@@ -253,3 +253,49 @@ def test_the_export_is_read_back(tmp_path, capsys, monkeypatch):
     rc, err = finetune(["--output", str(tmp_path / "run"), *FAST], capsys)
     assert rc == 2 and "cannot be read back" in err, err
     del ft
+
+
+# ---- computation that cannot be right stops --------------------------------------------------
+def _pairs(path, n: int, prompt_len: int, answer: str = "ok") -> str:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"{i:04d} " + "p" * prompt_len, "response": answer}) + "\n")
+    return str(path)
+
+
+def test_data_with_almost_no_targets_is_refused_up_front(tmp_path, capsys):
+    """Answers of 3 tokens after prompts of 600: at --seq-len 32 about 1 sequence in 20 holds a
+    target, so most updates would apply a loss of 0.0 (exit 0, nothing learnt): refused with
+    the numbers before anything is allocated."""
+    data = _pairs(tmp_path / "d.jsonl", 40, 600)
+    rc, err = finetune([*FAST, "--data", data, "--output", str(tmp_path / "run")], capsys)
+    assert rc == 2 and "training sequences" in err and "hold a target token" in err, err
+    assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+def test_batches_without_a_target_are_skipped_and_counted(tmp_path, capsys):
+    """Some sequences hold no target (a long prompt's middle): a batch of only those is no
+    update (its loss would be 0.0 and AdamW would still move the weights by their momentum);
+    it is skipped, counted in the summary and in the checkpoint, and a resume takes up the
+    count; a checkpoint whose data position does not match its batches is refused."""
+    data = _pairs(tmp_path / "d.jsonl", 60, 60, answer="a fairly long answer " * 2)
+    out = tmp_path / "run"
+    argv = [*FAST, "--batch-size", "1", "--steps", "12", "--data", data, "--output", str(out)]
+    rc, err = finetune([*argv, "--stop-after", "6"], capsys)
+    assert rc == 0, err
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["empty_batches"] > 0 and state["data_position"] == 6 + state["empty_batches"]
+    rc, err = finetune([*argv, "--resume", str(out)], capsys)
+    assert rc == 0, err
+    skipped = [ln for ln in run_cli.out.splitlines() if ln.startswith("batches skipped for holding no target")]
+    assert len(skipped) == 1
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 12 and state["data_position"] == 12 + state["empty_batches"]
+    assert int(skipped[0].rsplit(" ", 1)[1]) == state["empty_batches"]
+    rows = strict_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 13)) and all(r["loss"] > 0 for r in rows)
+    # an edited data position (here 10**30) is refused on resume
+    state["data_position"] = 10 ** 30
+    (out / "checkpoint" / "trainer_state.json").write_text(json.dumps(state))
+    rc, err = finetune([*argv, "--resume", str(out)], capsys)
+    assert rc == 2 and "data position" in err and "damaged or edited" in err, err

@@ -451,6 +451,14 @@ class PackedData:
         positions = idx[:, :-1] - first
         return Batch(ids, mask, torch.from_numpy(positions), torch.from_numpy(inputs - inputs[:, :1]))
 
+    def train_rows_with_targets(self, chunk_rows: int = 4096) -> int:
+        """How many training sequences hold at least one target that counts (chat data: an
+        assistant token; a target across a document boundary never counts), in chunks of rows."""
+        found = 0
+        for lo in range(0, self.num_train, chunk_rows):
+            found += int(self.batch(range(lo, min(lo + chunk_rows, self.num_train))).mask.any(1).sum())
+        return found
+
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         for i in range(0, self.num_eval, batch_size):
             yield self.batch(range(i, min(i + batch_size, self.num_eval)), eval=True)
