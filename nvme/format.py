@@ -16,13 +16,17 @@ ranges may neither overlap nor point past the end of the file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import math
 import os
 import stat
 import struct
+import time
+import zlib
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -68,6 +72,62 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         raise ValueError("need a contiguous CPU tensor")
     flat = t.reshape(-1)  # a view for contiguous tensors; also handles 0-d
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+# safetensors metadata holding {tensor name: CRC of its bytes} as JSON, under the key of the CRC
+# used: written by write_file(checksums=True) (caches, exported checkpoints), verified by every
+# whole-tensor read (SafetensorsFile.read_into) and by range readers given it
+# (TensorRange.checksum); the file stays a standard safetensors file (other readers ignore
+# unknown metadata). CRC-32C (hardware, the crc32c package) where it is installed, else zlib's
+# CRC-32 (the GPU machine may lack the package: its files then say so)
+CHECKSUM_KEYS = {"crc32c": "offload.crc32c", "crc32": "offload.crc32"}
+
+
+def _crc_func(kind: str):
+    if kind == "crc32":
+        return zlib.crc32
+    try:
+        from crc32c import crc32c
+    except ImportError:
+        return None
+    return crc32c
+
+
+WRITE_CHECKSUM = "crc32c" if _crc_func("crc32c") is not None else "crc32"
+
+
+def crc_of(t: torch.Tensor, kind: str | None = None) -> int:
+    """The CRC `kind` ("crc32c": Castagnoli; "crc32": zlib's; default WRITE_CHECKSUM) of a
+    contiguous CPU tensor's bytes."""
+    return _crc_func(kind or WRITE_CHECKSUM)(tensor_bytes(t)) if t.numel() else 0
+
+
+def stored_checksums(metadata: Mapping[str, str] | None, path: str) -> tuple[str, dict[str, int]]:
+    """(CRC kind, {tensor name: CRC}) a file's metadata carries ({} when it carries none)."""
+    for kind, key in CHECKSUM_KEYS.items():
+        raw = (metadata or {}).get(key)
+        if raw is None:
+            continue
+        if _crc_func(kind) is None:
+            raise FormatError(f"{path}: written with CRC-32C checksums, which need the crc32c "
+                              f"package here to be checked (pip install crc32c)")
+        try:
+            sums = json.loads(raw)
+        except ValueError:
+            sums = None
+        if not isinstance(sums, dict) or not all(type(v) is int and 0 <= v < 1 << 32
+                                                 for v in sums.values()):
+            raise FormatError(f"{path}: its {key!r} metadata is not a map of CRC values; the file "
+                              f"is damaged")
+        return kind, sums
+    return WRITE_CHECKSUM, {}
+
+
+def check_crc(path: str, name: str, got: int, want: int) -> None:
+    """Raise FormatError when tensor `name`'s bytes (CRC `got`) are not the ones written (`want`)."""
+    if got != want:
+        raise FormatError(f"{path}: tensor {name!r} fails its checksum (CRC written {want:08x}, "
+                          f"read {got:08x}): the file is damaged")
 
 
 def _object_without_duplicates(path: str):
@@ -232,6 +292,7 @@ class SafetensorsFile:
         fd = open_regular(self.path)
         try:  # the header and the reads come from the same open file, whatever the path becomes
             self.tensors, self.metadata = _read_header_fd(fd, self.path)
+            self.checksum_kind, self.checksums = stored_checksums(self.metadata, self.path)
         except BaseException:
             os.close(fd)
             raise
@@ -263,13 +324,21 @@ class SafetensorsFile:
         goes through it (O_DIRECT into `out` where alignment allows, split across threads)."""
         if engine is not None:
             self.submit_read(name, out, engine).wait()
-            return out
-        info = self.info(name)
-        check_buffer(info, out, self.path)
-        if info.nbytes:
-            preadinto(self._fd, tensor_bytes(out), info.offset, self.path)
-        self.bytes_read += info.nbytes
+        else:
+            info = self.info(name)
+            check_buffer(info, out, self.path)
+            if info.nbytes:
+                preadinto(self._fd, tensor_bytes(out), info.offset, self.path)
+            self.bytes_read += info.nbytes
+        self.verify(name, out)
         return out
+
+    def verify(self, name: str, out: torch.Tensor) -> None:
+        """Check tensor `name`'s bytes just read into `out` against the CRC-32C the file carries
+        for it (nothing to check in a file written without checksums)."""
+        want = self.checksums.get(name)
+        if want is not None:
+            check_crc(self.path, name, crc_of(out, self.checksum_kind), want)
 
     def submit_read(self, name: str, out: torch.Tensor, engine, **kw):
         """Start reading tensor `name` into `out` through `engine` (an `nvme.IOEngine`); returns
@@ -320,13 +389,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
                metadata: Mapping[str, str] | None = None, *, align_bytes: int = DATA_ALIGN_BYTES,
-               atomic: bool = True, engine=None) -> int:
+               atomic: bool = True, engine=None, checksums: bool = False) -> int:
     """Write `tensors` (in the given order) as a standard .safetensors file whose data section
     starts on an `align_bytes` boundary. With `atomic`, the bytes go to a temporary name, are
     fsynced, and are renamed over `path` (then the directory is fsynced), so a crash leaves
     either the old file or the complete new one. With an `nvme.IOEngine`, the tensors' bytes
-    are written through it, all at once (O_DIRECT where aligned). Returns the file size."""
+    are written through it, all at once (O_DIRECT where aligned). With `checksums`, each
+    tensor's CRC goes into the metadata (CHECKSUM_KEYS). Returns the file size."""
     path = os.fspath(path)
+    if checksums:
+        sums = {n: crc_of(t.detach().to("cpu").contiguous(), WRITE_CHECKSUM) for n, t in tensors.items()}
+        metadata = {**(metadata or {}),
+                    CHECKSUM_KEYS[WRITE_CHECKSUM]: json.dumps(sums, separators=(",", ":"))}
     header = _header_bytes(tensors, metadata, align_bytes)
     target = f"{path}.tmp.{os.getpid()}" if atomic else path
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -409,6 +483,57 @@ def lock_pid_file(path: str, tag: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{tag} {os.getpid()}\n".encode(), 0)
     return fd
+
+
+@contextlib.contextmanager
+def held_lock(path: str, tag: str, wait_s: float, on_wait=None):
+    """Hold `path` (lock_pid_file) for the block, waiting up to `wait_s` for another holder to
+    let go: two processes that would build the same thing (a cache entry, generated weights)
+    take turns, the second then finding it built. `on_wait(holder pid)` is called once when it
+    has to wait. After `wait_s`: BlockingIOError (holder set)."""
+    deadline = time.monotonic() + wait_s
+    waited = False
+    while True:
+        try:
+            fd = lock_pid_file(path, tag)
+            break
+        except BlockingIOError as busy:
+            if time.monotonic() > deadline:
+                raise
+            if not waited and on_wait is not None:
+                on_wait(busy.holder)
+            waited = True
+            time.sleep(0.1)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+# the parts of a file `content_digest` reads besides its size: the first MiB (a header, its
+# metadata and table of contents) and SAMPLES extents of SAMPLE_BYTES spread evenly to the end
+DIGEST_HEAD_BYTES, DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES = 1 << 20, 64, 64 << 10
+
+
+def content_digest(path: str) -> str:
+    """What a cache built from the file `path` is keyed by: a BLAKE2b digest of its size, its
+    first MiB and 64 extents of 64 KiB spread evenly over the rest (the last one ending at the
+    file's end): 5 MiB read whatever the file's size, so a multi-GB checkpoint is keyed in
+    milliseconds. Content, not name or modification time: the same bytes copied or touched key
+    the same; another checkpoint of the same size at the same path does not (its weights differ
+    in every extent). A change confined to bytes between the samples is not seen: the cache's
+    own checksums (verified on every read) catch damage to the cache, not to its source."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(str(size).encode())
+        h.update(f.read(DIGEST_HEAD_BYTES))
+        if size > DIGEST_HEAD_BYTES:
+            span = size - DIGEST_HEAD_BYTES - DIGEST_SAMPLE_BYTES
+            for k in range(DIGEST_SAMPLES):
+                at = DIGEST_HEAD_BYTES + max(0, span) * k // (DIGEST_SAMPLES - 1)
+                h.update(os.pread(f.fileno(), DIGEST_SAMPLE_BYTES, at))
+    return h.hexdigest()
 
 
 def _write_all(fd: int, buf: memoryview, path: str) -> int:

@@ -26,6 +26,7 @@ from offload.zero.group import rank_dir
 from offload.zero.rest import largest_module_numel
 from runners.common import fail, note_unused_tensors, run_main, select_device, writable_dir
 from runners.finetune_args import build_parser, check_args, engine_config
+from runners.finetune_checks import check_position, check_targets, model_identity
 from runners.finetune_lora import LoraRun
 from runners.ranks import Ranks, is_peer_lost, peer_lost
 from runners.report import finite_or_null, truncate_metrics
@@ -64,55 +65,6 @@ def load_model(args: argparse.Namespace):
         fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
              f"{cfg.vocab_size}")
     return build_model(cfg, device="meta"), cfg, source, tokenizer
-
-
-# under this share of training sequences holding a target token, most updates would have
-# nothing to learn from (chat data whose answers are a sliver of each conversation)
-MIN_TARGET_ROWS = 0.10
-
-
-def check_targets(data, args: argparse.Namespace) -> None:
-    """Refuse, before training, data whose sequences at --seq-len almost never hold a target
-    token; say how many do when some do not (updates without any are skipped and counted)."""
-    rows = data.train_rows_with_targets()
-    share = rows / data.num_train
-    where = (f"--data {args.data or 'the built-in corpus'} at --seq-len {args.seq_len}: {rows} of "
-             f"{data.num_train} training sequences ({100 * share:.1f}%) hold a target token")
-    if share < MIN_TARGET_ROWS:
-        fail(f"{where}; most updates would have nothing to learn from (chat data: the assistant "
-             f"turns are too small a part of each conversation): use data with more assistant "
-             f"text, or a different --seq-len")
-    if rows < data.num_train:
-        print(f"note: {where}; an update whose sequences hold none is skipped (counted in the "
-              f"summary)", file=sys.stderr)
-
-
-def check_position(trainer: dict, args: argparse.Namespace, skipped_updates: int) -> None:
-    """A checkpoint's data position is what its batches took, exactly: --batch-size sequences
-    for each update applied, each skipped for inf/nan (`skipped_updates`, the engine's count)
-    and each skipped for holding no target. Anything else is a damaged or edited state."""
-    empty = trainer.get("empty_batches", 0)
-    if type(empty) is not int or empty < 0:
-        fail(f"--resume {args.resume}: 'empty_batches' must be an integer >= 0, got "
-             f"{str(empty)[:40]!r}; the checkpoint is damaged: resume from another one")
-    expected = args.batch_size * (trainer["step"] + skipped_updates + empty)
-    if trainer.get("data_position", 0) != expected:
-        fail(f"--resume {args.resume}: the checkpoint's data position "
-             f"{str(trainer.get('data_position'))[:40]} is not what its batches took ({expected} "
-             f"sequences: {trainer['step']} updates, {skipped_updates} skipped for inf/nan, "
-             f"{empty} without a target, at --batch-size {args.batch_size}); the checkpoint is "
-             f"damaged or edited: resume from another one")
-
-
-def model_identity(model_cfg, source) -> str:
-    """A short digest of the model a rank loaded: its config, and for a checkpoint the names and
-    sizes of the files its tensors come from (every rank reads its own copy)."""
-    import hashlib
-
-    files = sorted({(os.path.basename(loc.path), os.path.getsize(loc.path))
-                    for loc in getattr(source, "locations", {}).values()})
-    text = json.dumps([model_cfg.to_hf(), files], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def resolve_checkpoint(model: str) -> str | None:
@@ -196,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if args.zero_stage and not ranks.many:  # never silently: the flag needs several ranks
         print(f"note: --zero-stage {args.zero_stage} has no effect in one process; launch with "
               f"torchrun --nproc_per_node N to train on N data-parallel ranks", file=sys.stderr)
-    cfg = engine_config(args, device, ranks.world)
+    sources: dict[str, str] = {}  # where each configured value came from (the banner says)
+    cfg = engine_config(args, device, ranks.world, sources)
     lora = LoraRun.from_args(args)  # None: full fine-tuning
     model, model_cfg, source, tokenizer = load_model(args)
     micro = args.micro_batch_size or args.batch_size // ranks.world
@@ -227,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                          frozen_in_place=bool(lora and lora.quantize), rest_module_numel=rest_numel)
     lora_line = lora.describe(model_cfg, shape, frozen, cfg) if lora is not None else None
     advice = lora.budget_advice(cfg, frozen) if lora is not None else None
-    banner = Banner(args, cfg, model_cfg, plan, device, choice, ranks.world, lora_line)
+    banner = Banner(args, cfg, model_cfg, plan, device, choice, ranks.world, lora_line, sources)
     print(banner.render())
     if args.dry_run:  # the ZeRO table prices every weight trained; LoRA's, the methods side by side
         print(estimator_table(shape, cfg, device, acts) if lora is None
@@ -269,20 +222,13 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
                 metrics_path, ranks: Ranks, lora: LoraRun | None) -> int:
     import tempfile
 
-    import offload
-    from offload.train.checkpoint import find_checkpoint, load_trainer_state, set_rng_state
     from offload.data.formats import BatchOrder, pack, tokenize_to_disk
 
     if ranks.main:
         rundir.prepare(resume=args.resume, overwrite=args.overwrite, metrics_path=metrics_path)
     ranks.barrier()  # the others read the directory rank 0 prepared
 
-    resume_dir = find_checkpoint(args.resume) if args.resume else None
-    trainer: dict[str, Any] = load_trainer_state(resume_dir) if resume_dir else {}
-    if trainer and trainer.get("model_config") != model_cfg.to_hf():
-        fail(f"--resume {args.resume}: the checkpoint is from a different model "
-             f"({trainer.get('model_config', {}).get('architectures')}, "
-             f"{trainer.get('model_config', {}).get('num_hidden_layers')} layers); pass the same --model")
+    resume_dir, trainer = _resume_point(args, model_cfg)
     # the global micro-batch: a state saved by N ranks resumes on M with the same arithmetic
     now = trajectory(args, cfg, micro * ranks.world, lora.settings() if lora else None)
     if trainer:
@@ -306,24 +252,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
         "resumed at update": trainer.get("step"), "resumed data position": trainer.get("data_position")})
     if lora is not None:  # the base on meta, filled by the engine, and the adapters (finetune_lora.py)
         model, source = lora.build(model_cfg, source, device, cfg.torch_dtype, cfg.offload_params, ranks)
-    torch.manual_seed(args.seed)
-    engine = offload.initialize(model, cfg, source=source)
-    try:
-        if lora is not None:  # fingerprinted as the engine read it; a resume's base checked
-            lora.take_fingerprint(trainer, args.resume)
-        if resume_dir:
-            engine.load_state(os.path.join(resume_dir, "engine"))
-            if engine.global_step != trainer["step"]:
-                fail(f"--resume {args.resume}: the checkpoint is inconsistent: its engine state is "
-                     f"at update {engine.global_step}, its trainer state at update "
-                     f"{trainer['step']}; resume from another checkpoint")
-            check_position(trainer, args, engine.skipped_steps)
-    except BaseException:
-        engine.close(after_error=True)  # in-process callers get the swap lock back
-        raise
-    if resume_dir:
-        set_rng_state(trainer["rng"], device)
-        print(f"resumed from {resume_dir} at update {engine.global_step}")
+    engine = _start_engine(args, cfg, model, source, device, trainer, resume_dir, lora)
     history: list[dict[str, Any]] = trainer.get("history", [])
     stop = StopRequested()
     try:
@@ -342,6 +271,52 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
         import shutil
         shutil.rmtree(tokens_dir, ignore_errors=True)
     return rc
+
+
+def _resume_point(args, model_cfg) -> tuple[str | None, dict[str, Any]]:
+    """(the checkpoint directory --resume continues, its trainer state), both empty without
+    --resume; refused when the checkpoint is of another model."""
+    from offload.train.checkpoint import find_checkpoint, load_trainer_state
+
+    resume_dir = find_checkpoint(args.resume) if args.resume else None
+    trainer: dict[str, Any] = load_trainer_state(resume_dir) if resume_dir else {}
+    if trainer and trainer.get("model_config") != model_cfg.to_hf():
+        saved = trainer.get("model_config")
+        if not isinstance(saved, dict):
+            fail(f"--resume {args.resume}: the checkpoint's 'model_config' is not an object "
+                 f"({type(saved).__name__}); the checkpoint is damaged: resume from another one")
+        fail(f"--resume {args.resume}: the checkpoint is from a different model "
+             f"({str(saved.get('architectures'))[:80]}, {str(saved.get('num_hidden_layers'))[:20]} "
+             f"layers); pass the same --model")
+    return resume_dir, trainer
+
+
+def _start_engine(args, cfg, model, source, device, trainer: dict, resume_dir: str | None,
+                  lora: LoraRun | None):
+    """The engine over `model`, its state loaded from the checkpoint when resuming (checked
+    against the trainer state); closed again if anything here fails."""
+    import offload
+    from offload.train.checkpoint import set_rng_state
+
+    torch.manual_seed(args.seed)
+    engine = offload.initialize(model, cfg, source=source)
+    try:
+        if lora is not None:  # fingerprinted as the engine read it; a resume's base checked
+            lora.take_fingerprint(trainer, args.resume)
+        if resume_dir:
+            engine.load_state(os.path.join(resume_dir, "engine"))
+            if engine.global_step != trainer["step"]:
+                fail(f"--resume {args.resume}: the checkpoint is inconsistent: its engine state is "
+                     f"at update {engine.global_step}, its trainer state at update "
+                     f"{trainer['step']}; resume from another checkpoint")
+            check_position(trainer, args, engine.skipped_steps)
+    except BaseException:
+        engine.close(after_error=True)  # in-process callers get the swap lock back
+        raise
+    if resume_dir:
+        set_rng_state(trainer["rng"], device)
+        print(f"resumed from {resume_dir} at update {engine.global_step}")
+    return engine
 
 
 def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, micro, device, cfg,
@@ -386,21 +361,8 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
         if done is None:  # a batch without a target token: skipped, counted, saved
             empty_batches += 1
             continue
-        loss_sum, dt = done
         tokens_run += args.batch_size * args.seq_len
-        row = _update_row(args, engine, loss_sum, dt, micro, totals)
-        if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
-            with engine.latest_weights():  # a pending delayed update's, trajectory unchanged
-                row["eval_loss"] = evaluate(model, data, micro, device, args.eval_batches)
-        row = finite_or_null(row)  # inf/nan (a skipped update's loss) as null: valid JSON
-        history.append({k: row[k] for k in ("step", "loss") if k in row} |
-                       ({"eval_loss": row["eval_loss"]} if "eval_loss" in row else {}))
-        metrics.write(json.dumps(row, allow_nan=False) + "\n")
-        metrics.flush()
-        if progress is not None:
-            progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                                 step_s=f"{dt:.3f}")
-            progress.update(1)
+        _record(args, engine, model, data, micro, device, done, totals, history, metrics, progress)
         if args.save_every and engine.global_step % args.save_every == 0 and engine.global_step < args.steps:
             checkpoint()
     if progress is not None:
@@ -459,6 +421,26 @@ def _one_update(args, engine, model, data, order, micro: int, device, cfg,
         # the host wait for each backward before queueing the next forward (review L6)
         loss_sum += loss.detach().float()
     return float(ranks.mean(loss_sum)), time.perf_counter() - t0
+
+
+def _record(args, engine, model, data, micro: int, device, done: tuple[float, float],
+            totals: dict[str, float], history: list, metrics, progress) -> None:
+    """The update just applied: its metrics row (with an evaluation when due) written, its loss
+    in the history, the progress bar moved."""
+    loss_sum, dt = done
+    row = _update_row(args, engine, loss_sum, dt, micro, totals)
+    if args.eval_every and engine.global_step % args.eval_every == 0 or engine.global_step == args.steps:
+        with engine.latest_weights():  # a pending delayed update's, trajectory unchanged
+            row["eval_loss"] = evaluate(model, data, micro, device, args.eval_batches)
+    row = finite_or_null(row)  # inf/nan (a skipped update's loss) as null: valid JSON
+    history.append({k: row[k] for k in ("step", "loss") if k in row} |
+                   ({"eval_loss": row["eval_loss"]} if "eval_loss" in row else {}))
+    metrics.write(json.dumps(row, allow_nan=False) + "\n")
+    metrics.flush()
+    if progress is not None:
+        progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                             step_s=f"{dt:.3f}")
+        progress.update(1)
 
 
 def _update_row(args, engine, loss_sum: float, dt: float, micro: int,

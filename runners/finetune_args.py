@@ -29,6 +29,24 @@ FLAGS = {"activation_checkpointing": "--activation-checkpointing",
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="python -m runners.finetune", description=DESCRIPTION,
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_args(ap)
+    _add_schedule_args(ap)
+    _add_memory_args(ap)
+    _add_lora_args(ap)
+    _add_output_args(ap)
+    ap.add_argument("--gpu", type=int, default=None, help="CUDA device index (absent: CPU)")
+    ap.add_argument("--config", default=None, help="a JSON file of engine options (our keys or DeepSpeed's "
+                    "zero_optimization/aio/fp16/bf16/optimizer keys); flags given explicitly win")
+    ap.add_argument("--gpu-memory", default=None, help="device budget, e.g. 20GiB (default: free memory)")
+    ap.add_argument("--cpu-memory", default=None, help="host budget, e.g. 12GiB (default: available RAM)")
+    ap.add_argument("--metrics", default=None, help="JSONL file, one line per update (default OUTPUT/metrics.jsonl)")
+    ap.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def _add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model, the data, where optimizer state lives, the dtype."""
     d = DEFAULTS
     ap.add_argument("--model", default=d["model"], help="a Hugging Face checkpoint directory, a .gguf "
                     "file (F32/F16/BF16/Q8_0/Q4_0/Q4_1, dequantized to fp32 once into a cache) or a preset "
@@ -47,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default=None,
                     help=f"weights/gradients dtype on the device (default {d['dtype']}: bf16 on a GPU "
                     "(fp16 where bf16 is unsupported), fp32 on the CPU)")
+
+
+def _add_schedule_args(ap: argparse.ArgumentParser) -> None:
+    """Updates, batch sizes and the learning-rate schedule."""
+    d = DEFAULTS
     ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
     ap.add_argument("--batch-size", type=int, default=None, help=f"sequences per update, over all "
                     f"ranks under torchrun (default {d['batch_size']}, or a DeepSpeed --config's "
@@ -63,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay (default {d['weight_decay']})")
     ap.add_argument("--grad-clip", type=float, default=None, help=f"max global gradient L2 norm, 0 = off "
                     f"(default {d['grad_clip']})")
+
+
+def _add_memory_args(ap: argparse.ArgumentParser) -> None:
+    """Where the weights and activations live, ZeRO, the delayed update."""
     ap.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default=None,
                     help="where the blocks' 16-bit weights (--lora-rank: the frozen base) live: on the device "
                     "(none), or streamed to it from host RAM (cpu) or NVMe swap files (nvme) (default none)")
@@ -81,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "earlier; overlaps the step even with clipping (needs --offload cpu/nvme)")
     ap.add_argument("--delayed-update-warmup", type=int, default=0, help="updates applied "
                     "synchronously before --delayed-update starts (default 0)")
-    _add_lora_args(ap)
+
+
+def _add_output_args(ap: argparse.ArgumentParser) -> None:
+    """Evaluation, checkpoints, the output directory, resuming, the seed."""
+    d = DEFAULTS
     ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="updates between held-out "
                     "evaluations (0 = only at start and end)")
     ap.add_argument("--eval-batches", type=int, default=d["eval_batches"], help="micro-batches of "
@@ -101,15 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "invocation and save a resumable checkpoint (wall-time-limited jobs); the learning-rate "
                     "schedule still spans --steps")
     ap.add_argument("--seed", type=int, default=d["seed"], help="seed for init and data order")
-    ap.add_argument("--gpu", type=int, default=None, help="CUDA device index (absent: CPU)")
-    ap.add_argument("--config", default=None, help="a JSON file of engine options (our keys or DeepSpeed's "
-                    "zero_optimization/aio/fp16/bf16/optimizer keys); flags given explicitly win")
-    ap.add_argument("--gpu-memory", default=None, help="device budget, e.g. 20GiB (default: free memory)")
-    ap.add_argument("--cpu-memory", default=None, help="host budget, e.g. 12GiB (default: available RAM)")
-    ap.add_argument("--metrics", default=None, help="JSONL file, one line per update (default OUTPUT/metrics.jsonl)")
-    ap.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return ap
 
 
 def _add_lora_args(ap: argparse.ArgumentParser) -> None:
@@ -283,44 +305,48 @@ def _check_data_files(path: str) -> None:
                 fail(f"--data {p}: cannot read ({e.strerror})")
 
 
-def engine_config(args: argparse.Namespace, device: torch.device, world: int = 1):
-    """The config file (if any) as the base, explicit flags over it, defaults under both.
-    `world`: data-parallel ranks (--batch-size is over all of them)."""
+def engine_config(args: argparse.Namespace, device: torch.device, world: int = 1,
+                  sources: dict[str, str] | None = None):
+    """Resolved once: explicit flags over what the config file (if any) sets, this runner's
+    defaults under both -- whatever the file leaves out takes the runner's default, never the
+    library's, and a DeepSpeed "auto" is what the runner would choose. `world`: data-parallel
+    ranks (--batch-size is over all of them). `sources` receives, per field set here, where its
+    value came from: "flag", "file" or "default" (the banner prints them)."""
     from offload.config import OffloadConfig, combination_error
-    from offload.config import AutoValues, load_config_file
+    from offload.config import AutoValues, config_file_fields
 
     per_rank = args.batch_size // world if args.batch_size else None
     mb = args.micro_batch_size or per_rank
     # "auto": bf16 on a GPU -- fp32 there would run full-fp32 GEMMs (TF32 is off by default)
     # and move twice the bytes per gradient and upload (desk review M4)
     dtype = dtype_label(select_dtype(args.dtype, device)) if args.dtype else None
-    auto = AutoValues(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      dtype=dtype, micro_batch_size=mb,
-                      grad_accum_steps=per_rank // mb if args.batch_size else None)
-    notes: list[str] = []
-    base = load_config_file(args.config, auto=auto, notes=notes).to_dict() if args.config else {}
-    for note in notes:  # DeepSpeed keys accepted but without effect here: never silently
-        print(f"note: {note}", file=sys.stderr)
-    _config_batch(args, base, world)
+    runner = {key: dtype_label(select_dtype(DEFAULTS[key], device)) if key == "dtype" else DEFAULTS[key]
+              for key in ("offload", "dtype", "lr", "weight_decay", "grad_clip")}
     explicit = {"offload": args.offload, "dtype": dtype, "lr": args.lr,
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip}
+    chosen = {k: v if v is not None else runner[k] for k, v in explicit.items()}
+    auto = AutoValues(lr=chosen["lr"], weight_decay=chosen["weight_decay"],
+                      grad_clip=chosen["grad_clip"], dtype=chosen["dtype"], micro_batch_size=mb,
+                      grad_accum_steps=per_rank // mb if args.batch_size else None)
+    notes: list[str] = []
+    base = config_file_fields(args.config, auto=auto, notes=notes) if args.config else {}
+    for note in notes:  # DeepSpeed keys accepted but without effect here: never silently
+        print(f"note: {note}", file=sys.stderr)
+    origin = {k: "file" for k in base}
+    _config_batch(args, base, world)
     for key, value in explicit.items():
         if value is not None:
-            base[key] = value
-        elif key not in base or not args.config:
-            base[key] = (dtype_label(select_dtype(DEFAULTS[key], device)) if key == "dtype"
-                         else DEFAULTS[key])
-    if args.offload_params is not None:
-        base["offload_params"] = args.offload_params
-    if args.zero_stage is not None:
-        base["zero_stage"] = args.zero_stage
-    if args.activation_checkpointing:
-        base["activation_checkpointing"] = True
-    if args.offload_activations:
-        base["offload_activations"] = True
-    if args.delayed_update:
-        base["delayed_update"] = True
-        base["delayed_update_warmup"] = args.delayed_update_warmup
+            base[key], origin[key] = value, "flag"
+        elif key not in base:
+            base[key], origin[key] = runner[key], "default"
+    switches = {"offload_params": args.offload_params, "zero_stage": args.zero_stage,
+                "activation_checkpointing": args.activation_checkpointing or None,
+                "offload_activations": args.offload_activations or None,
+                "delayed_update": args.delayed_update or None,
+                "delayed_update_warmup": args.delayed_update_warmup if args.delayed_update else None}
+    for key, value in switches.items():
+        if value is not None:
+            base[key], origin[key] = value, "flag"
     per_rank = args.batch_size // world
     base["grad_accum_steps"] = per_rank // (args.micro_batch_size or per_rank)
     base["device"] = str(device)
@@ -342,4 +368,6 @@ def engine_config(args: argparse.Namespace, device: torch.device, world: int = 1
     why = combination_error(options, spell=lambda field: FLAGS.get(field, field))
     if why is not None:
         fail(why)
+    if sources is not None:
+        sources.update(origin)
     return OffloadConfig(**base)

@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm
 
+from nvme.format import held_lock
 from offload import kernel_trust
 from offload.config import format_bytes, read_regular_file
 from offload.infer.generate import SamplingParams, check_prompts, generate
@@ -33,20 +34,19 @@ from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_paramet
 from offload.infer.plan import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
 from offload.models import kernels, load_streamed
-from offload.models.quantized import QuantSettings, load_quantized_streamed, quantized_block_bytes
+from offload.models.quantized import load_quantized_streamed, quantized_block_bytes
 from offload.quant.matmul import kernels_run
-from offload.quant.format import QuantError
 from offload.memory.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
 from offload.data.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_args, add_device_args,
                             check_budget_flags, dtype_label, group_size_arg, note_unused_tensors,
                             run_main, select_device, select_dtype, writable_dir)
+from runners.infer_checks import check_flags, check_interactive, check_tokenizer
 from runners.infer_lora import add_adapter_arg, attach_adapter, check_adapter
 from runners.infer_quant import convert_quantized, quant_scratch, quant_source
 from runners.report import kernels_line
 
 DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
-MAX_BATCH = 1 << 16  # one prompt is repeated this many times in memory before any plan
 MAX_PROMPT_FILE_BYTES = 64 << 20
 
 
@@ -127,14 +127,27 @@ def resolve_model(args, dtype: torch.dtype) -> tuple[ModelConfig, str | None, bo
 
 
 def random_checkpoint(cfg: ModelConfig, path: str, seed: int, dtype: torch.dtype) -> None:
-    """Write seeded random weights as a checkpoint, one tensor at a time (reused when present)."""
+    """Write seeded random weights as a checkpoint, one tensor at a time (reused when present).
+    Two runs generating the same one into one --offload-dir take turns (the second reuses it)."""
+    if _has_checkpoint(path, cfg):
+        return
+    writable_dir(path, "--offload-dir")
+    with held_lock(path.rstrip(os.sep) + ".lock", "offload-random-weights", 6 * 3600.0,
+                   on_wait=lambda pid: print(f"note: process {pid} is writing {path}; waiting for "
+                                             f"it", file=sys.stderr)):
+        if not _has_checkpoint(path, cfg):
+            _write_random(cfg, path, seed, dtype)
+
+
+def _has_checkpoint(path: str, cfg: ModelConfig) -> bool:
     try:
         with CheckpointReader(path) as reader:
-            if reader.config.to_hf(dtype="x") == cfg.to_hf(dtype="x"):
-                return
-    except Exception:  # noqa: BLE001 - absent or stale: (re)generate below
-        pass
-    writable_dir(path, "--offload-dir")
+            return reader.config.to_hf(dtype="x") == cfg.to_hf(dtype="x")
+    except Exception:  # noqa: BLE001 - absent or stale: (re)generated
+        return False
+
+
+def _write_random(cfg: ModelConfig, path: str, seed: int, dtype: torch.dtype) -> None:
     shapes = parameter_shapes(cfg)
     need = num_params(cfg) * dtype.itemsize
     free = disk_free_bytes(path)
@@ -195,37 +208,7 @@ def read_prompts(args, tokenizer, cfg: ModelConfig) -> list[list[int]]:
 
 
 # ---- main -------------------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise RunnerError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.batch_size is not None and not 1 <= args.batch_size <= MAX_BATCH:
-        raise RunnerError(f"--batch-size must be in [1, {MAX_BATCH}], got {args.batch_size}")
-    for flag, seed in (("--seed", args.seed), ("--init-seed", args.init_seed)):
-        if not 0 <= seed < 2**63:
-            raise RunnerError(f"{flag} must be in [0, 2**63), got {seed}")
-    if not 0 <= args.probe_seconds <= 60:  # NaN fails this too (it would measure forever)
-        raise RunnerError(f"--probe-seconds must be in [0, 60], got {args.probe_seconds}")
-    if args.nvme_ahead < 1:
-        raise RunnerError(f"--nvme-ahead must be >= 1, got {args.nvme_ahead}")
-    if args.quantize != "none":
-        try:
-            QuantSettings(args.quantize, args.group_size).spec()
-        except QuantError as e:
-            raise RunnerError(f"--quantize {args.quantize} --group-size {args.group_size}: {e}") from None
-    elif args.group_size:
-        raise RunnerError("--group-size sets the --quantize groups: add --quantize int8|int4")
-    if args.interactive:
-        args.chat = True
-        if args.prompt or args.prompt_file or args.prompt_ids or args.batch_size not in (None, 1):
-            raise RunnerError("--interactive reads the prompts from stdin: drop --prompt, "
-                              "--prompt-file, --prompt-ids and --batch-size")
-    elif args.max_context is not None:
-        raise RunnerError("--max-context sizes the --interactive conversation's cache: add --interactive")
-    if args.system is not None and not args.chat:
-        raise RunnerError("--system is the system message of a chat: add --chat")
-    if not math.isfinite(args.temperature):
-        raise RunnerError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+def _device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     # A dry run may plan for a GPU this machine does not have (sizing a workstation from a
     # laptop): its memory is --gpu-memory, and the link to it cannot be measured here.
     args.planned_gpu = args.dry_run and args.gpu is not None and args.gpu >= 0 and \
@@ -235,40 +218,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RunnerError(f"--gpu {args.gpu}: no CUDA device here; a --dry-run can plan for one "
                               f"of a given size: add --gpu-memory SIZE (e.g. 80GiB)")
         device = torch.device("cuda", args.gpu)
-        dtype = torch.bfloat16 if args.dtype == "auto" else select_dtype(args.dtype, device)
-    else:
-        device = select_device(args.gpu)
-        dtype = select_dtype(args.dtype, device)
-    gpu_budget, cpu_budget = check_budget_flags(args, device)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    cfg, path, is_random = resolve_model(args, dtype)
-    args.lora = check_adapter(args.adapter, cfg)  # before anything is loaded (runners/infer_lora.py)
-    tokenizer = None if is_random else load_tokenizer(path)
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise RunnerError(f"the tokenizer of {path} has {tokenizer.vocab_size} tokens, more than "
-                          f"the model's vocabulary of {cfg.vocab_size}: its ids would index past "
-                          f"the embedding (tokenizer and weights do not belong together)")
-    if tokenizer is not None and tokenizer.vocab_size < cfg.vocab_size:
-        print(f"note: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
-              f"{cfg.vocab_size} (padded); generated ids past the tokenizer decode to nothing",
-              file=sys.stderr)
-    if args.interactive:
-        if tokenizer is None or tokenizer.chat_template is None:
-            raise RunnerError("--interactive needs a model whose tokenizer has a chat template "
-                              "(tokenizer.json and tokenizer_config.json's chat_template)")
-        args.max_context = args.max_context or min(cfg.max_position_embeddings, 4096)
-        if not 2 <= args.max_context <= cfg.max_position_embeddings:
-            raise RunnerError(f"--max-context must be in [2, {cfg.max_position_embeddings}] (the "
-                              f"model's context), got {args.max_context}")
-        if args.max_new_tokens >= args.max_context:
-            raise RunnerError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
-                              f"in --max-context {args.max_context}")
+        return device, torch.bfloat16 if args.dtype == "auto" else select_dtype(args.dtype, device)
+    device = select_device(args.gpu)
+    return device, select_dtype(args.dtype, device)
+
+
+def _batches(args, tokenizer, cfg: ModelConfig) -> tuple[list[list[list[int]]], int]:
+    """(the prompts in batches of --batch-size, the context they need)."""
     prompts = read_prompts(args, tokenizer, cfg) if not args.interactive else [[0]]
     batch = args.batch_size or len(prompts)
     if len(prompts) == 1 and batch > 1:
         prompts = prompts * batch
     batches = [prompts[k:k + batch] for k in range(0, len(prompts), batch)]
     context = args.max_context if args.interactive else max(len(p) for p in prompts) + args.max_new_tokens
+    return batches, context
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_flags(args)
+    device, dtype = _device_and_dtype(args)
+    gpu_budget, cpu_budget = check_budget_flags(args, device)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    cfg, path, is_random = resolve_model(args, dtype)
+    args.lora = check_adapter(args.adapter, cfg)  # before anything is loaded (runners/infer_lora.py)
+    tokenizer = None if is_random else load_tokenizer(path)
+    check_tokenizer(tokenizer, cfg, path)
+    if args.interactive:
+        check_interactive(args, tokenizer, cfg)
+    batches, context = _batches(args, tokenizer, cfg)
     if is_random:
         print(f"WARNING: preset {args.model!r} has no checkpoint: RANDOM weights (seed {args.init_seed}) "
               f"in {path}. This measures speed, not text.", file=sys.stderr)
@@ -456,6 +434,7 @@ def _generate_batches(args, model, tokenizer, streamer, batches, sampling, stop,
 
 def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop) -> int:
     """The stdin chat loop: one line a turn, the reply streamed to stdout as it is generated."""
+    from offload.data.tokenizer import TokenizerError
     from offload.infer.chat import ChatOverflow, ChatSession
 
     session = ChatSession(model, tokenizer, max_context=args.max_context, device=device, dtype=dtype,
@@ -465,7 +444,9 @@ def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop
           file=sys.stderr)
     while True:
         print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        line = _read_line()
+        if line is None:  # not text: said, and the session goes on
+            continue
         if not line or line.strip() == "/exit":
             break
         text = line.rstrip("\n")
@@ -478,7 +459,7 @@ def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop
         try:
             turn = session.reply(text, args.max_new_tokens,
                                  on_text=lambda piece: print(piece, end="", flush=True))
-        except ChatOverflow as e:
+        except (ChatOverflow, TokenizerError) as e:  # this turn only: the session goes on
             print(f"error: {e}", file=sys.stderr)
             continue
         print()
@@ -490,6 +471,21 @@ def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop
     if args.output_json:
         _write_json(args.output_json, {"transcript": transcript, "messages": session.messages})
     return 0
+
+
+def _read_line() -> str | None:
+    """One line of stdin as text ("" at its end); None, after saying why, for a line that is
+    not UTF-8 text (it would reach the tokenizer as lone surrogates and end the session)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    line = raw.readline() if raw is not None else sys.stdin.readline()
+    try:
+        text = line.decode("utf-8") if isinstance(line, bytes) else line
+        text.encode("utf-8")  # lone surrogates from a text stream decoded with surrogateescape
+    except UnicodeError as e:
+        print(f"error: that line is not UTF-8 text (byte {e.start + 1}); type it again",
+              file=sys.stderr)
+        return None
+    return text
 
 
 def _plan_json(plan) -> dict:

@@ -18,8 +18,9 @@ from offload.config import OffloadConfig, format_bytes
 class Banner:
     def __init__(self, args: argparse.Namespace, cfg: OffloadConfig, model_cfg, plan,
                  device: torch.device, choice: str | None = None, world: int = 1,
-                 lora: str | None = None):
+                 lora: str | None = None, sources: dict[str, str] | None = None):
         self.args, self.cfg, self.model_cfg, self.plan, self.device = args, cfg, model_cfg, plan, device
+        self.sources = sources or {}  # config field -> "flag" / "file" / "default" (engine_config)
         self.choice = choice  # the planner's sentence when --offload auto chose the configuration
         self.world = world  # data-parallel ranks (torchrun)
         self.lora = lora  # a LoRA run's line (runners/finetune_lora.py), None otherwise
@@ -68,6 +69,11 @@ class Banner:
                          f"streamed to the device one block ahead in forward and backward")
         if self.lora:
             lines.append(self.lora)
+        if a.config:  # each value the file could have set, and where it came from
+            fields = set(cfg.to_dict())
+            lines.append(f"  config    {a.config}: " + ", ".join(
+                f"{k} {getattr(cfg, k)} ({src})" for k, src in sorted(self.sources.items())
+                if k in fields))
         if cfg.activation_checkpointing:
             lines.append("  activations checkpointed per block (recomputed in backward)"
                          + ("; checkpointed inputs kept in host RAM" if cfg.offload_activations else ""))

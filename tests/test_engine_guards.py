@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import offload
-from offload.train.state import NonFiniteError, StateError
+from offload.train.errors import NonFiniteError, StateError
 from test_engine import MLP, _cfg, max_rel_diff, mlp_batches, mlp_loss
 
 

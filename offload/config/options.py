@@ -343,9 +343,9 @@ def from_deepspeed(ds: Mapping[str, Any], *, auto: AutoValues | None = None,
 MAX_CONFIG_FILE_BYTES = 16 << 20
 
 
-def load_config_file(path: str, *, auto: AutoValues | None = None,
-                     notes: list[str] | None = None) -> OffloadConfig:
-    """A JSON file in our flat form or DeepSpeed's (see from_deepspeed for auto and notes)."""
+def _read_config_json(path: str) -> Any:
+    """A config file's JSON, refusing a key given twice in one object (json.loads would keep the
+    last one silently, other readers the first)."""
     try:
         raw = read_regular_file(path, MAX_CONFIG_FILE_BYTES)
     except OSError as e:
@@ -353,11 +353,51 @@ def load_config_file(path: str, *, auto: AutoValues | None = None,
     if raw is None:
         raise ConfigError(f"config file {path}: not a regular JSON file of at most "
                           f"{MAX_CONFIG_FILE_BYTES} bytes")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"config file {path}: the key {key[:80]!r} is given twice in one "
+                                  f"object; keep one")
+            out[key] = value
+        return out
+
     try:
-        d = json.loads(raw)
+        return json.loads(raw, object_pairs_hook=no_duplicates)
+    except ConfigError:
+        raise
     except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, 5000-digit integers
         what = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
         raise ConfigError(f"config file {path}: not valid JSON ({what})") from None
+
+
+def config_file_fields(path: str, *, auto: AutoValues | None = None,
+                       notes: list[str] | None = None) -> dict[str, Any]:
+    """Only the OffloadConfig fields a JSON file (our flat form or DeepSpeed's) sets, checked and
+    normalised: what a caller with defaults of its own (the runners) lays over them. A DeepSpeed
+    file sets what DeepSpeed would decide from it (its ZeRO stage, where state lives); "auto"
+    values become `auto`'s (see from_deepspeed for auto and notes)."""
+    d = _read_config_json(path)
+    try:
+        if isinstance(d, Mapping) and any(k in d for k in DEEPSPEED_TOP_KEYS):
+            defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+            fields, said = deepspeed_fields(d, defaults, auto)
+            OffloadConfig(**fields)  # checked as a whole
+            if notes is not None:
+                notes.extend(said)
+            return fields
+        cfg = OffloadConfig.from_dict(d)
+        return {k: getattr(cfg, k) for k in d}
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+
+
+def load_config_file(path: str, *, auto: AutoValues | None = None,
+                     notes: list[str] | None = None) -> OffloadConfig:
+    """A JSON file in our flat form or DeepSpeed's (see from_deepspeed for auto and notes); what
+    it does not set takes OffloadConfig's defaults."""
+    d = _read_config_json(path)
     try:
         if isinstance(d, Mapping) and any(k in d for k in DEEPSPEED_TOP_KEYS):
             return from_deepspeed(d, auto=auto, notes=notes)

@@ -23,7 +23,8 @@ import torch
 
 from offload.infer.kv_cache import OffloadedKVCache
 from offload.models import KVCache, LlamaForCausalLM
-from offload.stream.streamer import BlockStreamer, StreamStats
+from offload.stream.stats import StreamStats
+from offload.stream.streamer import BlockStreamer
 
 
 class GenerationError(ValueError):
@@ -76,12 +77,27 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] (any device) -> next token ids [B] (int64, CPU)."""
+    """logits [B, V] (any device) -> next token ids [B] (int64, CPU). Non-finite logits end the
+    generation (GenerationError): no token drawn from them means anything."""
     logits = logits.float()
-    if params.greedy:
-        return logits.argmax(-1).cpu()
+    finite = torch.isfinite(logits).all(-1)  # [B]
+    if params.greedy:  # one transfer for both (the host waits for it anyway)
+        tokens, ok = torch.stack([logits.argmax(-1), finite.long()]).cpu()
+        _check_finite(ok)
+        return tokens
+    _check_finite(finite.cpu())
     probs = filter_logits(logits.cpu(), params).softmax(-1)  # [B, V]
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_finite(ok: torch.Tensor) -> None:
+    if not bool(ok.all()):
+        rows = [int(k) + 1 for k in torch.nonzero(ok == 0).flatten()[:4]]
+        raise GenerationError(
+            f"the model computed inf/nan logits (prompt{'s' if len(rows) > 1 else ''} "
+            f"{', '.join(map(str, rows))} of the batch): nothing generated from them means anything. "
+            f"Likely causes: a LoRA adapter whose scale (lora_alpha / r) is far too large, or "
+            f"damaged or overflowing weights (in fp16, try --dtype bf16 or fp32)")
 
 
 @dataclass
@@ -118,6 +134,84 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
                                   f"of {vocab_size} (valid: 0..{vocab_size - 1})")
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """Prompts as one left-padded batch: ids [B, T], the attention mask over prompt and new
+    positions [B, T + new] (on the device), the pad id, and whether any row is padded."""
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pad: int
+    padded: bool
+
+
+def _left_padded(prompts: Sequence[Sequence[int]], cfg, max_new_tokens: int,
+                 device: torch.device) -> _Batch:
+    B, lengths = len(prompts), [len(p) for p in prompts]
+    T = max(lengths)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else 0
+    ids = torch.full((B, T), pad, dtype=torch.long)  # [B, T], left-padded
+    mask = torch.zeros((B, T + max_new_tokens), dtype=torch.long)  # [B, T + new]
+    for r, p in enumerate(prompts):
+        ids[r, T - len(p):] = torch.tensor([int(t) for t in p])
+        mask[r, T - len(p):] = 1  # generated positions (T:) are real tokens too
+    return _Batch(ids, mask.to(device), pad, min(lengths) != T)
+
+
+def _kv_cache(cfg, kv_tier: str, batch: int, length: int, device: torch.device,
+              dtype: torch.dtype):
+    if kv_tier == "host":
+        return OffloadedKVCache(cfg, batch, length, device=device, dtype=dtype)
+    if kv_tier == "device":
+        return KVCache(cfg, batch, length, device=device, dtype=dtype)
+    raise GenerationError(f"kv_tier must be 'device' or 'host', got {kv_tier!r}")
+
+
+class _Rows:
+    """Each row's generated ids: a row ends at its first stop id (kept in its output);
+    `on_tokens(step, ids)` hears every step, None for the rows that had ended."""
+
+    def __init__(self, batch: int, stop_ids: Sequence[int],
+                 on_tokens: Callable[[int, list[int | None]], None] | None):
+        self.out: list[list[int]] = [[] for _ in range(batch)]
+        self.finished = [False] * batch
+        self.stops = set(int(s) for s in stop_ids)
+        self.on_tokens = on_tokens
+
+    def take(self, step: int, tok: torch.Tensor) -> None:
+        emitted: list[int | None] = []
+        for r, t in enumerate(tok.tolist()):
+            if self.finished[r]:
+                emitted.append(None)
+                continue
+            self.out[r].append(t)
+            emitted.append(t)
+            if t in self.stops:
+                self.finished[r] = True
+        if self.on_tokens is not None:
+            self.on_tokens(step, emitted)
+
+
+def _decode(model: LlamaForCausalLM, batch: _Batch, cache, tok: torch.Tensor, rows: _Rows,
+            max_new_tokens: int, sampling: SamplingParams, generator: torch.Generator | None,
+            device: torch.device) -> tuple[int, int]:
+    """The steps after the prefill's token, one [B, 1] forward each, until every row ended or
+    `max_new_tokens` were made: (steps, tokens made by rows still running)."""
+    B, T = batch.ids.shape
+    steps, decode_tokens = 0, 0
+    while steps + 1 < max_new_tokens and not all(rows.finished):
+        active = B - sum(rows.finished)
+        feed = torch.where(torch.tensor(rows.finished), torch.full_like(tok, batch.pad), tok)  # [B]
+        length = T + steps + 1
+        logits = model(feed.view(B, 1).to(device),
+                       attention_mask=batch.mask[:, :length] if batch.padded else None,
+                       kv_cache=cache, last_only=True)
+        tok = next_tokens(logits[:, -1], sampling, generator)
+        steps += 1
+        decode_tokens += active
+        rows.take(steps, tok)
+    return steps, decode_tokens
+
+
 @torch.inference_mode()
 def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
@@ -137,73 +231,32 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], *, max_n
     if max_new_tokens < 1:
         raise GenerationError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     device = torch.device(device)
-    B = len(prompts)
-    lengths = [len(p) for p in prompts]
-    T = max(lengths)
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else 0
-    ids = torch.full((B, T), pad, dtype=torch.long)  # [B, T], left-padded
-    mask = torch.zeros((B, T + max_new_tokens), dtype=torch.long)  # [B, T + new]
-    for r, p in enumerate(prompts):
-        ids[r, T - len(p):] = torch.tensor([int(t) for t in p])
-        mask[r, T - len(p):] = 1  # generated positions (T:) are real tokens too
-    padded = min(lengths) != T
-    mask = mask.to(device)
-    if kv_tier == "host":
-        cache = OffloadedKVCache(cfg, B, T + max_new_tokens, device=device, dtype=dtype)
-    elif kv_tier == "device":
-        cache = KVCache(cfg, B, T + max_new_tokens, device=device, dtype=dtype)
-    else:
-        raise GenerationError(f"kv_tier must be 'device' or 'host', got {kv_tier!r}")
+    batch = _left_padded(prompts, cfg, max_new_tokens, device)
+    B, T = batch.ids.shape
+    cache = _kv_cache(cfg, kv_tier, B, T + max_new_tokens, device, dtype)
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
-    stops = set(int(s) for s in stop_ids)
-    out: list[list[int]] = [[] for _ in range(B)]
-    finished = [False] * B
+    rows = _Rows(B, stop_ids, on_tokens)
     snap = streamer.stats.copy() if streamer is not None else None
-
-    def take(step: int, tok: torch.Tensor) -> list[int | None]:
-        emitted: list[int | None] = []
-        for r, t in enumerate(tok.tolist()):
-            if finished[r]:
-                emitted.append(None)
-                continue
-            out[r].append(t)
-            emitted.append(t)
-            if t in stops:
-                finished[r] = True
-        if on_tokens is not None:
-            on_tokens(step, emitted)
-        return emitted
-
     try:
         t0 = time.perf_counter()
-        logits = model(ids.to(device), attention_mask=mask[:, :T] if padded else None,
+        logits = model(batch.ids.to(device), attention_mask=batch.mask[:, :T] if batch.padded else None,
                        kv_cache=cache, last_only=True)  # [B, 1, V]
         tok = next_tokens(logits[:, -1], sampling, generator)  # [B]; .cpu() waits for compute
         prefill_s = time.perf_counter() - t0
         pre_stats = None
         if streamer is not None:
             pre_stats, snap = streamer.stats.copy().minus(snap), streamer.stats.copy()
-        take(0, tok)
-        steps, decode_tokens = 0, 0
+        rows.take(0, tok)
         t1 = time.perf_counter()
-        while steps + 1 < max_new_tokens and not all(finished):
-            active = B - sum(finished)
-            feed = torch.where(torch.tensor(finished), torch.full_like(tok, pad), tok)  # [B]
-            length = T + steps + 1
-            logits = model(feed.view(B, 1).to(device),
-                           attention_mask=mask[:, :length] if padded else None,
-                           kv_cache=cache, last_only=True)
-            tok = next_tokens(logits[:, -1], sampling, generator)
-            steps += 1
-            decode_tokens += active
-            take(steps, tok)
+        steps, decode_tokens = _decode(model, batch, cache, tok, rows, max_new_tokens, sampling,
+                                       generator, device)
         decode_s = time.perf_counter() - t1
     except BaseException:
         if streamer is not None:
             streamer.release_all()
         raise
     dec_stats = streamer.stats.copy().minus(snap) if streamer is not None else None
-    return GenerationResult(tokens=out, prompt_tokens=sum(lengths), decode_tokens=decode_tokens,
-                            decode_steps=steps, prefill_s=prefill_s, decode_s=decode_s,
-                            prefill_stream=pre_stats, decode_stream=dec_stats, finished=finished,
-                            kv_h2d_bytes=getattr(cache, "h2d_bytes", 0))
+    return GenerationResult(tokens=rows.out, prompt_tokens=sum(len(p) for p in prompts),
+                            decode_tokens=decode_tokens, decode_steps=steps, prefill_s=prefill_s,
+                            decode_s=decode_s, prefill_stream=pre_stats, decode_stream=dec_stats,
+                            finished=rows.finished, kv_h2d_bytes=getattr(cache, "h2d_bytes", 0))

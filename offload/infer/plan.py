@@ -36,7 +36,7 @@ import torch
 from nvme.io import ALIGN, IOEngine, aligned_empty
 from offload.config import format_bytes
 from offload.gpu import on_stream
-from offload.stream.streamer import BlockStreamer
+from offload.stream.slots import slot_raw_bytes
 from offload.memory.tiers import BudgetError, host_aligned, pinned_bytes
 
 MODES = ("latency", "throughput")
@@ -200,14 +200,14 @@ class _Sizes:
                 + WORKSPACE_FIXED_BYTES + self.scratch_bytes)
 
     def slots_for(self, res: list[str]) -> tuple[int, int]:
-        """(slot count, their bytes): the streamer's own sizing (BlockStreamer.slot_raw_bytes)."""
+        """(slot count, their bytes): the streamer's own sizing (slot_raw_bytes)."""
         zero_copy = self.device_is_host  # host-tier blocks are used in place on a CPU device
         streamed = [i for i, r in enumerate(res) if r == "nvme" or (r == "cpu" and not zero_copy)]
         if not streamed:
             return 0, 0
         count = 1 + max(self.depth[res[i]] for i in streamed)
         largest = max(self.block_bytes[i] for i in streamed)
-        return count, count * BlockStreamer.slot_raw_bytes(largest, cuda=not self.device_is_host)
+        return count, count * slot_raw_bytes(largest, cuda=not self.device_is_host)
 
     def staging_for(self, res: list[str]) -> int:
         if "nvme" not in res or not self.staging_needed:
@@ -279,24 +279,10 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
 
     res = placement(sizes)
     device_kv_sizes, device_kv_res = sizes, res
-    if kv_tier == "auto" and mode == "throughput" and not device_is_host \
-            and sizes.needs(res, batch_size)[0] > device_budget:
-        # the batch's cache does not fit the device: keep it in host RAM if that fits
-        on_host = dataclasses.replace(sizes, kv_tier="host")
-        host_res = placement(on_host)
-        dev, host, _, _ = on_host.needs(host_res, batch_size)
-        if dev <= device_budget and host <= host_budget:
-            sizes, res = on_host, host_res
-    dev_need, host_need, slot_count, slot_b = sizes.needs(res, batch_size)
-    plan = InferencePlan(residency=res, mode=mode, batch_size=batch_size, context=context,
-                         block_bytes=list(block_bytes), stored_block_bytes=list(stored_block_bytes),
-                         non_block_bytes=non_block_bytes, kv_bytes=batch_size * kv_bytes_per_seq,
-                         workspace_bytes=(batch_size * workspace_per_seq + WORKSPACE_FIXED_BYTES
-                                         + scratch_bytes),
-                         slot_count=slot_count, slot_bytes=slot_b, staging_bytes=sizes.staging_for(res),
-                         device_need=dev_need, host_need=host_need, device_budget=device_budget,
-                         host_budget=host_budget, device_is_host=device_is_host,
-                         zero_copy_host=device_is_host, kv_tier=sizes.kv_tier)
+    if kv_tier == "auto" and mode == "throughput" and not device_is_host:
+        sizes, res = _kv_on_host_if_it_fits(sizes, res, placement, batch_size, device_budget,
+                                            host_budget)
+    plan = _new_plan(sizes, res, mode, batch_size, context, device_budget, host_budget)
     if sizes.kv_tier == "host":
         positions = min(kv_positions_per_step or context, context)
         plan.kv_h2d_bytes_per_step = batch_size * kv_bytes_per_seq * positions // max(1, context)
@@ -324,6 +310,38 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
     _check(plan, force, device_budget_flag, host_budget_flag, max(block_bytes), leanest,
            max_batch_for, sizes.needs)
     return plan
+
+
+def _kv_on_host_if_it_fits(sizes: _Sizes, res: list[str], placement, batch_size: int,
+                           device_budget: int, host_budget: int) -> tuple[_Sizes, list[str]]:
+    """(sizes, placement) with the batch's KV cache in host RAM when it does not fit the device
+    and the placement with it on the host fits; else the ones given."""
+    if sizes.needs(res, batch_size)[0] <= device_budget:
+        return sizes, res
+    # the batch's cache does not fit the device: keep it in host RAM if that fits
+    on_host = dataclasses.replace(sizes, kv_tier="host")
+    host_res = placement(on_host)
+    dev, host, _, _ = on_host.needs(host_res, batch_size)
+    if dev <= device_budget and host <= host_budget:
+        return on_host, host_res
+    return sizes, res
+
+
+def _new_plan(sizes: _Sizes, res: list[str], mode: str, batch_size: int, context: int,
+              device_budget: int, host_budget: int) -> InferencePlan:
+    """The plan of placement `res` at `batch_size`, before its notes and check."""
+    dev_need, host_need, slot_count, slot_b = sizes.needs(res, batch_size)
+    return InferencePlan(residency=res, mode=mode, batch_size=batch_size, context=context,
+                         block_bytes=list(sizes.block_bytes),
+                         stored_block_bytes=list(sizes.stored_block_bytes),
+                         non_block_bytes=sizes.non_block_bytes,
+                         kv_bytes=batch_size * sizes.kv_bytes_per_seq,
+                         workspace_bytes=(batch_size * sizes.workspace_per_seq
+                                          + WORKSPACE_FIXED_BYTES + sizes.scratch_bytes),
+                         slot_count=slot_count, slot_bytes=slot_b, staging_bytes=sizes.staging_for(res),
+                         device_need=dev_need, host_need=host_need, device_budget=device_budget,
+                         host_budget=host_budget, device_is_host=sizes.device_is_host,
+                         zero_copy_host=sizes.device_is_host, kv_tier=sizes.kv_tier)
 
 
 def _place(sizes: _Sizes, batch_size: int, device_budget: int, host_budget: int,
@@ -447,7 +465,7 @@ def streamer_disk_gbps(streamer, min_seconds: float, max_passes: int = 4) -> tup
                 streamer.fetch(order[k + ahead])
     finally:
         streamer.release_all()  # blocks fetched ahead and not used: back to their slots
-        streamer.set_schedule(streamer.schedule, streamer.cyclic)  # the cursor from the start
+        streamer.schedule.rewind()  # the cursor from the start
     moved = streamer.stats.moved_bytes["disk"] - moved0
     seconds = time.perf_counter() - t_first
     return (streamer.stats.moved_bytes["disk"] - moved_first) / seconds / 1e9, moved

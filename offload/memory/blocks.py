@@ -8,7 +8,8 @@ block's flat device buffer, so moving a block is one large copy, storing it is o
 file, and stepping it is one optimizer call.
 
 Across data-parallel ranks each rank owns a shard of every block's flat buffers; which one is
-the engine's to say (Engine.owned, offload/zero/group.py), not the layout's.
+the engine's to say (Parts.owned in offload/train/parts.py, offload/zero/group.py), not the
+layout's.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def group_blocks(model: nn.Module, block_list: str | None = None,
 
 def resident_weight_bytes(numels: list[int], itemsize: int) -> PlanBytes:
     """The device flat buffers of the blocks that stay on the device (what the engine makes and
-    binds each block's parameters to as views; the plan_bytes of Engine._place_weights)."""
+    binds each block's parameters to as views; the plan_bytes of offload/train/build.py's
+    placement)."""
     return {("device", "weights"): sum(numels) * itemsize}
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nvme.format import crc_of
 from nvme.io import ALIGN
 from offload.memory.blocks import Block, ParamSlot
 
@@ -31,6 +32,8 @@ class TensorRange:
     offset: int  # absolute byte offset of the first byte in `path`
     nbytes: int
     dtype: torch.dtype  # stored dtype (converted to the compute dtype after the read)
+    # (CRC kind, value) of the bytes as written, where the file carries one: checked on every read
+    checksum: tuple[str, int] | None = None
 
 
 @dataclass
@@ -50,11 +53,26 @@ class BlockLayout:
     shift: int = 0  # byte shift that lines a buffer up with the first run
     # the module's values (compute dtype, CPU), when they are the source
     host_values: dict[str, torch.Tensor] | None = None
+    # the stored tensors whose files carry a checksum: checked after every read of the block
+    checks: list["RangeCheck"] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RangeCheck:
+    """One stored tensor of a block whose file carries its CRC: where it lands in the block's
+    stored bytes, and the CRC its bytes must have (TensorRange.checksum)."""
+    name: str
+    path: str
+    buf_offset: int
+    nbytes: int
+    kind: str  # "crc32c" or "crc32" (nvme.format.crc_of)
+    crc: int
 
 
 def _file_runs(i: int, params: dict[str, nn.Parameter], ranges: list[TensorRange],
-               dtype: torch.dtype) -> tuple[list[str], torch.dtype, list[Run], int]:
-    """(parameter order = file order, stored dtype, merged runs, shift) of a file-backed block.
+               dtype: torch.dtype) -> tuple[list[str], torch.dtype, list[Run], int, list[RangeCheck]]:
+    """(parameter order = file order, stored dtype, merged runs, shift, the checksummed tensors)
+    of a file-backed block.
     `dtype` uint8 is a byte block: every range is stored as raw bytes (dtype uint8) holding the
     parameter's own dtype, which the parameter keeps (quantized blocks, offload/models/quantized.py)."""
     by_name = {r.name: r for r in ranges}
@@ -68,9 +86,12 @@ def _file_runs(i: int, params: dict[str, nn.Parameter], ranges: list[TensorRange
         raise StreamError(f"block {i}: parameters stored in several dtypes {dtypes}")
     stored = dtypes.pop()
     runs: list[Run] = []
+    checks: list[RangeCheck] = []
     pos = 0
     for n in order:
         r = by_name[n]
+        if r.checksum is not None:
+            checks.append(RangeCheck(n, r.path, pos, r.nbytes, *r.checksum))
         # a byte block stores each parameter's own bytes (see blocks.ParamSlot.dtype)
         expect = params[n].numel() * (params[n].element_size() if byte_block else stored.itemsize)
         if r.nbytes != expect:
@@ -85,7 +106,21 @@ def _file_runs(i: int, params: dict[str, nn.Parameter], ranges: list[TensorRange
     # the typed view must start on an element boundary of both dtypes
     if shift % stored.itemsize or shift % dtype.itemsize:
         shift = 0
-    return order, stored, runs, shift
+    return order, stored, runs, shift, checks
+
+
+def verify_ranges(i: int, checks: list[RangeCheck], stored: torch.Tensor) -> None:
+    """Check block i's stored bytes just read (`stored`: uint8, the block's byte layout) against
+    the CRC each tensor's file carries: a damaged cache or checkpoint is refused, never computed
+    with (CRC-32C: ~13 GB/s on one core, measured in docs/RELIABILITY.md)."""
+    for c in checks:
+        got = crc_of(stored[c.buf_offset:c.buf_offset + c.nbytes], c.kind)
+        if got != c.crc:
+            raise StreamError(
+                f"{c.path}: tensor {c.name!r} of block {i} fails its checksum (CRC written "
+                f"{c.crc:08x}, read {got:08x}): the file is damaged; if it is a cache (a quantized "
+                f"or converted model), delete its directory and run again (it is rebuilt), else "
+                f"download or restore it again")
 
 
 def streamed_params(layer: nn.Module, frozen_only: bool = False) -> dict[str, nn.Parameter]:
@@ -105,8 +140,9 @@ def layout_block(i: int, layer: nn.Module, ranges: list[TensorRange] | None, *, 
     `empty`; from then on only their `.data` changes. `frozen_only`: see streamed_params."""
     params = streamed_params(layer, frozen_only)
     if ranges is not None:
-        order, stored, runs, shift = _file_runs(i, params, ranges, dtype)
-        out = BlockLayout(Block(index=i, name=str(i), module=layer), stored, runs, shift)
+        order, stored, runs, shift, checks = _file_runs(i, params, ranges, dtype)
+        out = BlockLayout(Block(index=i, name=str(i), module=layer), stored, runs, shift,
+                          checks=checks)
     else:
         if residency == "nvme":
             raise StreamError(f"block {i} is placed on nvme but has no file source")

@@ -10,7 +10,7 @@ two differences:
   * nothing is written back: the base never changes, so its home (a host buffer in the compute
     dtype, or one swap file per layer written once at start) is read-only for the whole run and
     the schedule needs no step between a backward and the next forward;
-  * only parameters that need no gradient are in the streamed block (BlockStreamer's
+  * only parameters that need no gradient are in the streamed block (TrainingHomes'
     `frozen_only`); the adapters beside them keep their own storage and stay bound.
 
 Autograd still saves views of the base weights in forward (`linear` saves W for the input
@@ -22,6 +22,7 @@ parameters only), and the training plan counts the base's home and slots
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -30,9 +31,9 @@ from torch import nn
 from nvme.io import CHECKSUM
 from offload.memory.layout import StreamError, TensorRange, streamed_params
 from offload.memory.blocks import TensorFill
-from offload.stream.streamer import BlockStreamer
+from offload.stream.streamer import TrainingHomes
 from offload.memory.tiers import MemoryAccount, host_empty
-from offload.stream.train import BlockHooks
+from offload.stream.train import BlockHooks, StreamSettings
 
 FROZEN = "frozen16"  # swap-store kind of a layer's frozen base weights
 
@@ -43,34 +44,51 @@ def frozen_layer_numels(layers: nn.ModuleList) -> list[int]:
             for layer in layers]
 
 
-class FrozenBaseStreamer(BlockHooks):
-    """Streams the frozen parameters of `layers` from `tier` ("cpu": host buffers, "nvme": one
-    swap file per layer in `store`) through forward and backward; see the module docstring."""
+@dataclass(frozen=True)
+class FilledBase:
+    """A 16-bit base, copied into its home at start: parameters still on the meta device are
+    filled by `source` (a checkpoint reader's read_tensors_into, a seeded initialiser), one layer
+    at a time, by their names `prefix + "<layer>.<name in the layer>"`: a base larger than RAM
+    never sits there."""
+    source: TensorFill | None = None
+    prefix: str = ""
 
-    def __init__(self, layers: nn.ModuleList, tier: str, *, device: torch.device,
-                 dtype: torch.dtype, pin: bool, store, account: MemoryAccount, host_ahead: int,
-                 nvme_ahead: int, fetch_delay_s: float = 0.0, source: TensorFill | None = None,
-                 prefix: str = "", files: list[list[TensorRange]] | None = None,
-                 checkpoint_name: Callable[[str], str] = lambda name: name):
-        """`source` fills base parameters still on the meta device (a checkpoint reader's
-        read_tensors_into, a seeded initialiser), one layer at a time, by their names
-        `prefix + "<layer>.<name in the layer>"`: a base larger than RAM never sits there.
-        `files`: each layer's base is already stored, as raw byte ranges named by
-        `checkpoint_name(parameter name)` -- a quantized base (QLoRA: offload/models/quantized.py's
-        block files), streamed as a byte block exactly as inference streams it; nothing is
-        copied or written at start."""
-        if tier not in ("cpu", "nvme") and not (tier == "device" and files is not None):
+
+@dataclass(frozen=True)
+class StoredBase:
+    """A base already stored (QLoRA: offload/models/quantized.py's block files): each layer's
+    raw byte ranges, named by `checkpoint_name(parameter name)`, streamed as a byte block exactly
+    as inference streams it; nothing is copied or written at start."""
+    files: list[list[TensorRange]]
+    checkpoint_name: Callable[[str], str] = lambda name: name
+
+
+class FrozenBaseStreamer(BlockHooks):
+    """Streams the frozen parameters of `layers` from `settings.tier` ("cpu": host buffers,
+    "nvme": one swap file per layer in `store`) through forward and backward; see the module
+    docstring."""
+
+    def __init__(self, layers: nn.ModuleList, settings: StreamSettings, *, store,
+                 account: MemoryAccount, base: FilledBase | StoredBase):
+        tier = settings.tier
+        if tier not in ("cpu", "nvme") and not (tier == "device" and isinstance(base, StoredBase)):
             raise StreamError(f"a frozen base streams from cpu or nvme, not {tier!r} (a 16-bit base "
                               f"on the device is placed with the model's other frozen parameters)")
         self.layers, self.tier, self.store = layers, tier, store
-        n = len(layers)
-        if files is not None:
-            self._start_byte_blocks(layers, tier, device, files, checkpoint_name, host_ahead,
-                                    nvme_ahead, pin, fetch_delay_s, account)
-            return
-        host_flats: list[torch.Tensor | None] = [None] * n
+        if isinstance(base, StoredBase):
+            self._start_byte_blocks(settings, base, account)
+        else:
+            self._start_filled(settings, base, account)
+        self._install_hooks()
+
+    def _start_filled(self, settings: StreamSettings, base: FilledBase,
+                      account: MemoryAccount) -> None:
+        """Each layer's frozen parameters copied into one flat home in the compute dtype (a host
+        buffer, or its swap file written once), one layer's base in RAM at a time."""
+        tier, dtype, store = settings.tier, settings.dtype, self.store
+        host_flats: list[torch.Tensor | None] = [None] * len(self.layers)
         files: list[list[TensorRange]] | None = [] if tier == "nvme" else None
-        for li, layer in enumerate(layers):  # one layer's base in RAM at a time
+        for li, layer in enumerate(self.layers):  # one layer's base in RAM at a time
             params = streamed_params(layer, frozen_only=True)
             if not params:
                 raise StreamError(f"layer {li} has no frozen parameters to stream")
@@ -80,21 +98,21 @@ class FrozenBaseStreamer(BlockHooks):
                                   f"quantized base (QLoRA) is not streamed in training yet: keep "
                                   f"it resident (offload_params='none')")
             numel = sum(p.numel() for p in params.values())
-            flat = host_empty(numel, dtype, pin=pin and tier == "cpu")  # [numel], module order
+            flat = host_empty(numel, dtype, pin=settings.pin and tier == "cpu")  # module order
             pos, missing = 0, {}
             for rel, p in params.items():
                 view = flat[pos:pos + p.numel()].view(p.shape)
                 if p.device.type == "meta":
-                    missing[f"{prefix}{li}.{rel}"] = view
+                    missing[f"{base.prefix}{li}.{rel}"] = view
                 else:
                     view.copy_(p.detach())
                 pos += p.numel()
             if missing:
-                if source is None:
+                if base.source is None:
                     raise StreamError(f"layer {li}: frozen parameter {next(iter(missing))!r} is on "
                                       f"the meta device and no source was given; pass source= or "
                                       f"load the base weights before initialising the engine")
-                source(missing)
+                base.source(missing)
             if tier == "cpu":
                 host_flats[li] = flat
                 account.add("host", "weights", flat.numel() * flat.element_size())
@@ -103,31 +121,28 @@ class FrozenBaseStreamer(BlockHooks):
                 files.append(self._ranges(li, params))
                 account.add("nvme", "weights", flat.numel() * flat.element_size())
                 del flat
-        self.streamer = BlockStreamer(layers, [tier] * n, device=device, dtype=dtype, files=files,
-                                      host_ahead=host_ahead, nvme_ahead=nvme_ahead,
-                                      io=store.engine if store is not None else None, pin=pin,
-                                      zero_copy_host=False, fetch_delay_s=fetch_delay_s,
-                                      host_flats=host_flats, expected_crc32=self._expected_crc32,
-                                      frozen_only=True)
+        self._open_streamer(settings, files, TrainingHomes(
+            host_flats=host_flats, expected_crc32=self._expected_crc32, frozen_only=True),
+            io=store.engine if store is not None else None)
         account.add("device", "weights", sum(s.raw.numel() for s in self.streamer.slots))
         account.add("host", "buffers", sum(s.raw.numel() for s in self.streamer.staging))
-        self._install_hooks()
 
-    def _start_byte_blocks(self, layers, tier, device, files, checkpoint_name, host_ahead,
-                           nvme_ahead, pin, fetch_delay_s, account) -> None:
+    def _start_byte_blocks(self, settings: StreamSettings, base: StoredBase,
+                           account: MemoryAccount) -> None:
         """The base is in files already (a quantized base): each layer's frozen parameters are
         mapped onto their stored ranges and streamed as one byte block, every parameter in its
-        own dtype (codes, fp16 scales, norms). `tier` "device": each block is read onto the
+        own dtype (codes, fp16 scales, norms). Tier "device": each block is read onto the
         device once and stays there (inference's residency "device"); the hooks then bind the
         same buffer at every use."""
-        renamed = []
-        for li, layer in enumerate(layers):
-            stored = {r.name: r for r in files[li]}
+        tier, renamed = settings.tier, []
+        for li, layer in enumerate(self.layers):
+            stored = {r.name: r for r in base.files[li]}
             ranges = []
             for rel in streamed_params(layer, frozen_only=True):
-                r = stored.get(checkpoint_name(rel))
+                r = stored.get(base.checkpoint_name(rel))
                 if r is None:
-                    raise StreamError(f"layer {li}: the stored base has no {checkpoint_name(rel)!r}")
+                    raise StreamError(f"layer {li}: the stored base has no "
+                                      f"{base.checkpoint_name(rel)!r}")
                 ranges.append(TensorRange(rel, r.path, r.offset, r.nbytes, r.dtype))
             renamed.append(ranges)
             nbytes = sum(r.nbytes for r in ranges)
@@ -135,15 +150,11 @@ class FrozenBaseStreamer(BlockHooks):
                 account.add("device", "frozen", nbytes)
             else:
                 account.add("nvme" if tier == "nvme" else "host", "weights", nbytes)
-        self.streamer = BlockStreamer(layers, [tier] * len(layers), device=device,
-                                      dtype=torch.uint8, files=renamed, host_ahead=host_ahead,
-                                      nvme_ahead=nvme_ahead, pin=pin, zero_copy_host=False,
-                                      fetch_delay_s=fetch_delay_s, frozen_only=True)
+        self._open_streamer(settings, renamed, TrainingHomes(frozen_only=True), dtype=torch.uint8)
         for tier_kind, nbytes in ((("device", "weights"), sum(s.raw.numel() for s in self.streamer.slots)),
                                   (("host", "buffers"), sum(s.raw.numel() for s in self.streamer.staging))):
             if nbytes:
                 account.add(*tier_kind, nbytes)
-        self._install_hooks()
 
     def _name(self, li: int) -> str:
         return f"layer{li}.{FROZEN}"

@@ -9,6 +9,7 @@ import enum
 
 import torch
 
+from nvme.io import ALIGN, aligned_empty
 from offload.gpu import host_event
 
 
@@ -28,6 +29,12 @@ LEGAL_MOVES = {(BlockState.ABSENT, BlockState.RESIDENT), (BlockState.ABSENT, Blo
                (BlockState.IN_USE, BlockState.ABSENT)}
 
 
+def slot_raw_bytes(block_bytes: int, cuda: bool) -> int:
+    """One slot's bytes for blocks of up to `block_bytes`: on the CPU +ALIGN, room to line a
+    direct read up with the file offset."""
+    return block_bytes if cuda else block_bytes + ALIGN
+
+
 class Slot:
     def __init__(self, raw: torch.Tensor, cuda: bool):
         self.raw = raw  # uint8 on the device, max streamed block bytes (+ALIGN on CPU)
@@ -45,6 +52,24 @@ class SlotPool:
     def __init__(self, raws: list[torch.Tensor], cuda: bool):
         self.slots = [Slot(raw, cuda) for raw in raws]
         self._free = list(self.slots)
+
+    @classmethod
+    def allocate(cls, count: int, nbytes: int, device: torch.device,
+                 copy_stream: "torch.cuda.Stream | None") -> "SlotPool":
+        """`count` slots of `nbytes`: device memory written on `copy_stream` under CUDA (None:
+        the device is the CPU, and the slots are 4 KiB-aligned host memory)."""
+        cuda = copy_stream is not None
+        raws = []
+        for _ in range(count):
+            raw = (torch.empty(nbytes, dtype=torch.uint8, device=device) if cuda
+                   else aligned_empty(nbytes))
+            if cuda:
+                # allocated on the compute stream, written on the copy stream: when the slot is
+                # freed (close, or the model dropped with prefetches still in flight) the
+                # allocator must not hand its memory out before those copies finish (review M3)
+                raw.record_stream(copy_stream)
+            raws.append(raw)
+        return cls(raws, cuda)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -93,3 +118,8 @@ class Staging:
         # its last host->device copy finished; the stage thread sleeps on it (blocking event)
         self.done = host_event() if cuda else None
         self.done_recorded = False
+
+
+def byte_view(raw: torch.Tensor, shift: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` of a uint8 buffer from byte `shift` (where a block's first run lands aligned)."""
+    return raw[shift:shift + nbytes]

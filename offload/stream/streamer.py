@@ -20,7 +20,8 @@ its slot back, `prefetch(after=i)` fetches the next blocks of the `schedule` wit
 depth. Each call moves the block along `BlockState`'s legal edges or raises. `attach()` installs
 forward hooks calling them in the usual order (fetch, prefetch, wait / run / release); the
 schedule is cyclic by default, so one forward's last block prefetches the next step's first.
-Layouts come from offload/memory/layout.py, slots from offload/stream/slots.py.
+Layouts come from offload/memory/layout.py, slots from offload/stream/slots.py, the schedule from
+offload/stream/schedule.py, the counters from offload/stream/stats.py.
 
 Ordering on CUDA (not yet verified on a GPU; the CPU path runs the same state machine):
   * every copy into a slot is issued on one side `copy_stream`;
@@ -46,45 +47,44 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence, get_args
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
 
 from nvme.io import ALIGN, IOEngine, aligned_empty
-from offload.memory.layout import Run, StreamError, TensorRange, layout_block
+from offload.memory.layout import RangeCheck, Run, StreamError, TensorRange, layout_block, verify_ranges
 from offload.memory.blocks import Block, bind_views
 from offload.gpu import on_stream, side_stream_delay
-from offload.stream.slots import LEGAL_MOVES, BlockState, Slot, SlotPool, Staging
+from offload.stream.schedule import Schedule
+from offload.stream.stats import RESIDENCIES, Residency, StreamStats
+from offload.stream.slots import (LEGAL_MOVES, BlockState, Slot, SlotPool, Staging, byte_view,
+                                  slot_raw_bytes)
 from offload.memory.tiers import freeze_pin_cap, host_aligned, large_frees_to_os, started_worker
 
-Residency = Literal["device", "cpu", "nvme"]  # where a block's 16-bit weights live between uses
-RESIDENCIES: tuple[str, ...] = get_args(Residency)
+if TYPE_CHECKING:
+    from offload.zero.group import ShardGather
 
 
-@dataclass
-class StreamStats:
-    """Counters since construction (take deltas with `copy()` for per-token figures)."""
-    served_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESIDENCIES, 0))
-    moved_bytes: dict[str, int] = field(default_factory=lambda: {"disk": 0, "h2d": 0})
-    fetches: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
-    wait_s: float = 0.0  # host time compute spent blocked in wait() on unfinished fetches
-    stage_busy_s: float = 0.0  # time the stage thread spent reading/copying
+@dataclass(frozen=True)
+class TrainingHomes:
+    """What a training client (offload/stream/train.py, frozen.py) owns of its blocks' homes.
 
-    def copy(self) -> "StreamStats":
-        return StreamStats(dict(self.served_bytes), dict(self.moved_bytes), dict(self.fetches),
-                           self.wait_s, self.stage_busy_s)
-
-    def minus(self, earlier: "StreamStats") -> "StreamStats":
-        return StreamStats({k: v - earlier.served_bytes[k] for k, v in self.served_bytes.items()},
-                           {k: v - earlier.moved_bytes[k] for k, v in self.moved_bytes.items()},
-                           {k: v - earlier.fetches[k] for k, v in self.fetches.items()},
-                           self.wait_s - earlier.wait_s, self.stage_busy_s - earlier.stage_busy_s)
-
-
-def _aligned_view(raw: torch.Tensor, shift: int, nbytes: int) -> torch.Tensor:
-    return raw[shift:shift + nbytes]
+    host_flats: per block, a cpu-tier flat host buffer (compute dtype, parameters in module
+    order) the client keeps: the training engine writes updated weights straight into it.
+    expected_crc32: block index -> the CRC-32 its stored bytes must have (or None), checked on
+    every read of a block stored as one run (training's swap files: they change every update).
+    shards: ZeRO stage 3: each home holds only this rank's shard (in `host_flats`, or on the
+    nvme tier the swap file in `shard_files`); a fetch puts it in its part of the slot and
+    all-gathers the rest from the other ranks on the stage thread, so the gather of the next
+    block overlaps the compute of this one. frozen_only: stream only the parameters needing no
+    gradient (a LoRA base)."""
+    host_flats: Sequence[torch.Tensor | None] | None = None
+    expected_crc32: Callable[[int], int | None] | None = None
+    shards: "ShardGather | None" = None
+    shard_files: Sequence[TensorRange | None] | None = None
+    frozen_only: bool = False
 
 
 class BlockStreamer:
@@ -94,22 +94,17 @@ class BlockStreamer:
     files: per block, where each of its parameters is stored (required for nvme blocks; for the
     others, when given, weights are read from there, else taken from the module's parameters).
     host_ahead / nvme_ahead: how many streamed blocks ahead of the running one may be in flight.
-    expected_crc32: block index -> the CRC-32 its stored bytes must have (or None), checked on
-    every read of a block stored as one run (training's swap files: they change every update).
-    """
+    io: the IO engine to read with (when None, one of its own). progress(i): block i is loaded.
+    homes: what a training client owns of the blocks' homes (TrainingHomes)."""
 
     def __init__(self, layers: nn.ModuleList, residency: Sequence[Residency], *,
                  device: torch.device | str, dtype: torch.dtype,
                  files: Sequence[Sequence[TensorRange] | None] | None = None,
-                 host_ahead: int = 1, nvme_ahead: int = 2, io: IOEngine | None = None,
-                 pin: bool = True, zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
-                 progress: Callable[[int], None] | None = None,
-                 host_flats: Sequence[torch.Tensor | None] | None = None,
-                 expected_crc32: Callable[[int], int | None] | None = None,
-                 shards=None, shard_files: Sequence[TensorRange | None] | None = None,
-                 frozen_only: bool = False):
+                 host_ahead: int = 1, nvme_ahead: int = 2, pin: bool = True,
+                 zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
+                 io: IOEngine | None = None, progress: Callable[[int], None] | None = None,
+                 homes: TrainingHomes = TrainingHomes()):
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
-        self.frozen_only = frozen_only  # stream only parameters needing no gradient (LoRA base)
         self.cuda = self.device.type == "cuda"
         if len(residency) != len(layers):
             raise StreamError(f"residency lists {len(residency)} blocks, the model has {len(layers)}")
@@ -123,40 +118,31 @@ class BlockStreamer:
         self.zero_copy_host = (not self.cuda) if zero_copy_host is None else zero_copy_host
         if self.cuda and self.zero_copy_host:
             raise StreamError("zero_copy_host is only possible when the device is the CPU")
+        if homes.shards is not None and any(r == "device" for r in residency):
+            raise StreamError("sharded blocks (ZeRO stage 3) stream from the cpu or nvme tier")
         self.fetch_delay_s = fetch_delay_s
-        self.expected_crc32 = expected_crc32
-        # ZeRO stage 3 (offload/zero/group.py ShardGather): each block's home holds only this rank's
-        # shard (a host buffer, or one swap file: `shard_files`, nvme tier); a fetch puts it in
-        # its part of the slot and all-gathers the rest from the other ranks, on the stage
-        # thread, so the gather of the next block overlaps the compute of this one
-        self.shards = shards
-        self._shard_files = list(shard_files) if shard_files is not None else None
+        self.homes, self.shards = homes, homes.shards
         self.pin = pin and self.cuda
         if self.pin:
             freeze_pin_cap()  # before the first pinned buffer: see offload/memory/tiers.py
         self.stats = StreamStats()
         self._files = list(files) if files is not None else [None] * len(layers)
-        # cpu-tier blocks whose flat host buffer (compute dtype, parameters in module order) the
-        # caller already owns — the training engine writes updated weights straight into it
-        self._adopt = list(host_flats) if host_flats is not None else [None] * len(layers)
+        self._adopt = list(homes.host_flats) if homes.host_flats is not None else [None] * len(layers)
         self._io, self._own_io = (io, False) if io is not None else (None, True)
         self._lock = threading.Lock()  # guards stats updated by the stage thread
         self.state: list[BlockState] = []
         self.blocks: list[Block] = []
         self._stored_dtype: list[torch.dtype | None] = []
         self._runs: list[list[Run]] = []
+        self._checks: list[list[RangeCheck]] = []  # per block: tensors whose files carry a CRC
         self._shift: list[int] = []  # byte shift that lines a buffer up with the first run
         self._host: dict[int, torch.Tensor] = {}  # cpu-tier flat buffers (compute dtype)
         self._resident: dict[int, torch.Tensor] = {}  # device-tier flat buffers
         self._host_values: dict[int, dict[str, torch.Tensor]] = {}  # module-sourced weights
         self._jobs: dict[int, tuple[Future, Slot]] = {}
         self._bound: dict[int, torch.Tensor] = {}  # block -> the slot view it is bound to
-        if shards is not None and any(r == "device" for r in residency):
-            raise StreamError("sharded blocks (ZeRO stage 3) stream from the cpu or nvme tier")
         self._hooks: list = []
-        self.schedule: list[int] = list(range(len(layers)))
-        self.cyclic = True
-        self._cursor = -1
+        self.schedule = Schedule(len(layers))
         self._empty = torch.empty(0, dtype=dtype, device=self.device)  # what unbound params point at
         for i, layer in enumerate(layers):
             self._layout(i, layer)
@@ -183,16 +169,18 @@ class BlockStreamer:
             out = layout_block(i, layer, None, residency="cpu", adopted=True, device=self.device,
                                dtype=self.dtype, empty=self._empty)
             if self.residency[i] == "nvme":
-                f = self._shard_files[i]
+                f = self.homes.shard_files[i]
                 out.stored_dtype, out.runs = f.dtype, [Run(f.path, f.offset, f.nbytes, 0)]
         else:
             out = layout_block(i, layer, self._files[i], residency=self.residency[i],
                                adopted=self._adopt[i] is not None, device=self.device,
-                               dtype=self.dtype, empty=self._empty, frozen_only=self.frozen_only)
+                               dtype=self.dtype, empty=self._empty,
+                               frozen_only=self.homes.frozen_only)
         if out.host_values is not None:
             self._host_values[i] = out.host_values
         self._stored_dtype.append(out.stored_dtype)
         self._runs.append(out.runs)
+        self._checks.append(out.checks)
         self._shift.append(out.shift)
         self.blocks.append(out.block)
         self.state.append(BlockState.ABSENT)
@@ -245,12 +233,6 @@ class BlockStreamer:
     def _direct_into_slot(self, i: int) -> bool:
         return not self.cuda and self._stored_dtype[i] == self.dtype
 
-    @staticmethod
-    def slot_raw_bytes(block_bytes: int, cuda: bool) -> int:
-        """One slot's bytes for blocks of up to `block_bytes`: on the CPU +ALIGN, room to line a
-        direct read up with the file offset."""
-        return block_bytes if cuda else block_bytes + ALIGN
-
     def _allocate_streaming(self) -> None:
         """Slots and staging, allocated once for the whole run (no per-fetch allocation)."""
         streamed = [i for i in range(len(self.layers)) if self._streamed(i)]
@@ -262,18 +244,8 @@ class BlockStreamer:
             return
         tiers = {self.residency[i] for i in streamed}
         n_slots = 1 + max(self.depth[t] for t in tiers)
-        slot_bytes = self.slot_raw_bytes(max(self._slot_block_bytes(i) for i in streamed), self.cuda)
-        raws = []
-        for _ in range(n_slots):
-            raw = (torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda
-                   else aligned_empty(slot_bytes))
-            if self.cuda:
-                # allocated on the compute stream, written on the copy stream: when the slot is
-                # freed (close, or the model dropped with prefetches still in flight) the
-                # allocator must not hand its memory out before those copies finish (review M3)
-                raw.record_stream(self.copy_stream)
-            raws.append(raw)
-        self.pool = SlotPool(raws, self.cuda)
+        slot_bytes = slot_raw_bytes(max(self._slot_block_bytes(i) for i in streamed), self.cuda)
+        self.pool = SlotPool.allocate(n_slots, slot_bytes, self.device, self.copy_stream)
         staged = [i for i in streamed if self.residency[i] == "nvme" and not self._direct_into_slot(i)]
         if staged:
             stored_bytes = max(self._stored_bytes(i) for i in staged)
@@ -298,11 +270,13 @@ class BlockStreamer:
         verified against `expected_crc32` when given (the CRC is taken by the IO threads as the
         bytes arrive: no second pass)."""
         runs = self._runs[i]
-        want = self.expected_crc32(i) if self.expected_crc32 is not None and len(runs) == 1 else None
+        crc32 = self.homes.expected_crc32
+        want = crc32(i) if crc32 is not None and len(runs) == 1 else None
         handles = [self.io.submit_read(r.path, r.offset, dst[r.buf_offset:r.buf_offset + r.nbytes],
                                        checksum=want is not None)
                    for r in runs]
         IOEngine.wait_all(handles)
+        verify_ranges(i, self._checks[i], dst)
         if want is not None and handles[0].crc32 != want:
             r = runs[0]
             raise StreamError(f"checksum mismatch in streamed weights of block {i}: {r.path}, "
@@ -316,7 +290,7 @@ class BlockStreamer:
                 self._read_runs(i, flat.view(torch.uint8))
             else:
                 tmp = aligned_empty(self._stored_bytes(i) + ALIGN)
-                raw = _aligned_view(tmp, self._shift[i], self._stored_bytes(i))
+                raw = byte_view(tmp, self._shift[i], self._stored_bytes(i))
                 self._read_runs(i, raw)
                 flat.copy_(raw.view(self._stored_dtype[i]))  # converts to the compute dtype
         else:
@@ -339,7 +313,7 @@ class BlockStreamer:
                                   f"{want} values in {self.dtype}")
         elif tier == "device" and self.cuda:
             host = aligned_empty(nbytes + ALIGN)
-            host_flat = _aligned_view(host, self._shift[i], nbytes).view(self.dtype)
+            host_flat = byte_view(host, self._shift[i], nbytes).view(self.dtype)
             self._fill_host(i, host_flat)
             flat = torch.empty(self.blocks[i].numel, dtype=self.dtype, device=self.device)
             flat.copy_(host_flat)  # setup only: a plain blocking copy is fine here
@@ -351,7 +325,7 @@ class BlockStreamer:
             self._fill_host(i, flat)
         else:  # host memory on a CPU device, lined up with the file for O_DIRECT reads
             raw = aligned_empty(nbytes + ALIGN)
-            flat = _aligned_view(raw, self._shift[i], nbytes).view(self.dtype)
+            flat = byte_view(raw, self._shift[i], nbytes).view(self.dtype)
             self._fill_host(i, flat)
         if tier == "cpu" and not self.zero_copy_host:
             self._host[i] = flat
@@ -386,7 +360,7 @@ class BlockStreamer:
     def _slot_view(self, i: int, slot: Slot, nbytes: int | None = None) -> torch.Tensor:
         """Block i's view of `slot` (`nbytes`: a longer one, the padded block of stage 3)."""
         shift = 0 if self.cuda else self._shift[i]
-        return _aligned_view(slot.raw, shift, nbytes or self.block_bytes(i)).view(self.dtype)
+        return byte_view(slot.raw, shift, nbytes or self.block_bytes(i)).view(self.dtype)
 
     def _job(self, i: int, slot: Slot, staging: Staging | None, wait_free) -> None:
         """Stage thread: move block i's bytes into its slot (see the module docstring for order)."""
@@ -399,7 +373,7 @@ class BlockStreamer:
             whole = self._slot_view(i, slot, self._slot_block_bytes(i))
             part = self.shards.part(whole)
             if tier == "nvme":  # the shard's swap file, into host staging on a GPU
-                src = (_aligned_view(staging.raw, 0, part.numel() * self.dtype.itemsize)
+                src = (byte_view(staging.raw, 0, part.numel() * self.dtype.itemsize)
                        if self.cuda else part.view(torch.uint8))
                 if self.cuda and staging.done_recorded:
                     staging.done.synchronize()  # its previous copy to the device has left it
@@ -433,7 +407,7 @@ class BlockStreamer:
             self._read_runs(i, dst.view(torch.uint8))
             moved["disk"] = self._stored_bytes(i)
         else:  # CPU, other dtype: read, then convert into the slot
-            raw = _aligned_view(staging.raw, self._shift[i], self._stored_bytes(i))
+            raw = byte_view(staging.raw, self._shift[i], self._stored_bytes(i))
             self._read_runs(i, raw)
             dst.copy_(raw.view(self._stored_dtype[i]))
             moved["disk"] = self._stored_bytes(i)
@@ -450,7 +424,7 @@ class BlockStreamer:
                 # The previous host->device copy out of this staging buffer must be finished
                 # before the disk overwrites it: wait on that one event only (no device sync).
                 staging.done.synchronize()
-            raw = _aligned_view(staging.raw, self._shift[i], self._stored_bytes(i))
+            raw = byte_view(staging.raw, self._shift[i], self._stored_bytes(i))
             self._read_runs(i, raw)
             moved["disk"] = self._stored_bytes(i)
         with on_stream(self.copy_stream):
@@ -515,7 +489,7 @@ class BlockStreamer:
 
     def _count_use(self, i: int) -> None:
         self.stats.served_bytes[self.residency[i]] += self.block_bytes(i)
-        self._advance_cursor(i)
+        self.schedule.advance(i)
 
     def release(self, i: int) -> None:
         """Block i has been run: its slot may be refilled once the compute queued so far is done.
@@ -542,55 +516,23 @@ class BlockStreamer:
         if not waiting:
             raise StreamError(f"block {i}: all {len(self.pool)} slots hold blocks in use; "
                               f"release blocks before fetching more")
-        victim = max(waiting, key=self._distance)
+        victim = max(waiting, key=self.schedule.distance)
         fut, slot = self._jobs.pop(victim)
         fut.result()  # the copy into it is in flight; the copy stream keeps later copies after it
         self._move(victim, BlockState.ABSENT)
         self.pool.cancel(slot)  # the only free slot now: taken at once for block i
         return self.pool.take(i)
 
-    def _distance(self, j: int) -> int:
-        n = len(self.schedule)
-        for k in range(1, n + 1):
-            if self.schedule[(self._cursor + k) % n] == j:
-                return k
-        return n + 1
-
-    def _position(self, i: int) -> int:
-        """Position of the next occurrence of block i in the schedule after the cursor."""
-        n = len(self.schedule)
-        for k in range(1, n + 1):
-            pos = (self._cursor + k) % n
-            if self.schedule[pos] == i:
-                return pos
-        raise StreamError(f"block {i} is not in the schedule {self.schedule}")
-
-    def _advance_cursor(self, i: int) -> None:
-        self._cursor = self._position(i)
-
     def set_schedule(self, order: Sequence[int], cyclic: bool = True) -> None:
         """The order blocks will be waited on (e.g. forward then reverse for training)."""
-        if any(not 0 <= j < len(self.layers) for j in order) or not order:
-            raise StreamError(f"schedule must list block indices in [0, {len(self.layers)})")
-        self.schedule, self.cyclic, self._cursor = list(order), cyclic, -1
+        self.schedule.set(order, cyclic)
 
     def prefetch(self, after: int | None = None) -> None:
         """Fetch the streamed blocks that follow `after` in the schedule (from the start when
         None), the k-th of them only if k <= its tier's depth and a slot is free. Fetches are
         issued in schedule order so slots are always consumed in the order they are needed."""
-        n = len(self.schedule)
-        if after is None:
-            start = -1
-        elif self._cursor >= 0 and self.schedule[self._cursor] == after:
-            start = self._cursor  # already waited on: the cursor points at it
-        else:
-            start = self._position(after)
         count = 0
-        for k in range(1, n):  # at most one lap, never back to `after` itself
-            pos = start + k
-            if pos >= n and not self.cyclic:
-                return
-            j = self.schedule[pos % n]
+        for j in self.schedule.following(after):
             if not self._streamed(j):
                 continue
             count += 1

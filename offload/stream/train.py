@@ -28,15 +28,19 @@ has written the new weights (host buffer for the cpu tier, swap file for the nvm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from nvme.io import ALIGN, CHECKSUM
 from offload.memory.blocks import Block
-from offload.stream.streamer import BlockStreamer, TensorRange
+from offload.stream.slots import slot_raw_bytes
+from offload.stream.streamer import BlockStreamer, TensorRange, TrainingHomes
 from offload.memory.tiers import MemoryAccount, PlanBytes, host_empty
+
+if TYPE_CHECKING:
+    from offload.zero.group import ShardGather
 
 WEIGHTS = "weights16"  # swap-store kind of a block's 16-bit weights
 
@@ -65,6 +69,30 @@ def _first_grad_tensor(x: Any) -> torch.Tensor | None:
     return None
 
 
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a training client streams its layers: `tier`, the home of every layer's weights
+    ("cpu": host buffers, "nvme": swap files; "device": a quantized base loaded once), the compute
+    device and dtype, pinned host memory, and how many blocks ahead each tier is fetched."""
+    tier: str
+    device: torch.device
+    dtype: torch.dtype
+    pin: bool
+    nvme_ahead: int
+    host_ahead: int = 1
+    fetch_delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Stage3:
+    """ZeRO stage 3 across ranks: the flats hold only this rank's shard of each block, gathered
+    from the other ranks at each fetch (`gather`: offload/zero/group.py ShardGather); `home`: the
+    account's tier for those shards ("device" when they live in device memory: offload_params
+    "none")."""
+    gather: "ShardGather"
+    home: str = "host"
+
+
 class BlockHooks:
     """The hooks that drive a BlockStreamer (`self.streamer`) over `self.layers` through forward
     and backward (module docstring); shared by the trainable streamed blocks (TrainingStreamer)
@@ -72,6 +100,16 @@ class BlockHooks:
 
     layers: nn.ModuleList
     streamer: BlockStreamer
+
+    def _open_streamer(self, settings: StreamSettings, files, homes: TrainingHomes, *,
+                       io=None, dtype: torch.dtype | None = None) -> None:
+        """The streamer of every layer from `settings.tier`, blocks in `dtype` (default: the
+        compute dtype); slots always filled by a copy, never bound in place."""
+        s = settings
+        self.streamer = BlockStreamer(
+            self.layers, [s.tier] * len(self.layers), device=s.device, dtype=dtype or s.dtype,
+            files=files, host_ahead=s.host_ahead, nvme_ahead=s.nvme_ahead, pin=s.pin,
+            zero_copy_host=False, fetch_delay_s=s.fetch_delay_s, io=io, homes=homes)
 
     def _install_hooks(self) -> None:
         n = len(self.layers)
@@ -168,19 +206,16 @@ class BlockHooks:
 
 class TrainingStreamer(BlockHooks):
     """Owns the BlockStreamer for the layers of a model in training and the 16-bit weights'
-    home tier ("cpu": pinned host buffers; "nvme": one swap file per block)."""
+    home tier (`settings.tier` -- "cpu": pinned host buffers; "nvme": one swap file per block)."""
 
     def __init__(self, layers: nn.ModuleList, blocks: list[Block], layer_block: list[int],
-                 tier: str, *, device: torch.device, dtype: torch.dtype, pin: bool,
-                 flats16: list[torch.Tensor | None], store=None, account: MemoryAccount,
-                 host_ahead: int, nvme_ahead: int, fetch_delay_s: float = 0.0, shards=None,
-                 home: str = "host"):
-        """`shards` (ZeRO stage 3 across ranks, offload/zero/group.py ShardGather): `flats16` hold
-        only this rank's shard of each block (tier "cpu"), gathered from the other ranks at
-        each fetch; `home`: the account's tier for those flats ("device" when they live in
-        device memory: offload_params="none" at stage 3)."""
+                 settings: StreamSettings, *, flats16: list[torch.Tensor | None], store,
+                 account: MemoryAccount, stage3: Stage3 | None = None):
+        """`flats16`: each layer's 16-bit weights (cpu tier; this rank's shard at stage 3), or
+        None where the engine wrote them to their swap file in `store` already."""
+        tier, dtype = settings.tier, settings.dtype
         self.layers, self.blocks, self.tier = layers, blocks, tier
-        self.shards = shards
+        self.shards = stage3.gather if stage3 is not None else None
         self.layer_block = layer_block  # layer index -> engine block index
         self.store = store
         n = len(layers)
@@ -188,18 +223,20 @@ class TrainingStreamer(BlockHooks):
         files: list[list[TensorRange] | None] | None = None
         shard_files: list[TensorRange] | None = None
         # stage 3: the elements of this rank's shard of each layer (padded: equal shards)
-        self.shard_numel = ([shards.padded(blocks[b].numel) // shards.world for b in layer_block]
-                            if shards is not None else None)
+        self.shard_numel = ([self.shards.padded(blocks[b].numel) // self.shards.world
+                             for b in layer_block] if stage3 is not None else None)
         if tier == "cpu":
+            home = stage3.home if stage3 is not None else "host"
             for li in range(n):
                 flat = flats16[li]
-                if home == "host" and pin and torch.cuda.is_available() and not flat.is_pinned():
+                if home == "host" and settings.pin and torch.cuda.is_available() \
+                        and not flat.is_pinned():
                     pinned = host_empty(flat.numel(), dtype, pin=True)
                     pinned.copy_(flat)
                     flat = pinned
                 host_flats[li] = flat
                 account.add(home, "weights", flat.numel() * flat.element_size())
-        elif shards is not None:  # the engine wrote this rank's shard of each to a swap file
+        elif stage3 is not None:  # the engine wrote this rank's shard of each to a swap file
             shard_files = [self._shard_range(blocks[layer_block[li]], dtype) for li in range(n)]
             for f in shard_files:
                 account.add("nvme", "weights", f.nbytes)
@@ -209,12 +246,9 @@ class TrainingStreamer(BlockHooks):
                 block = blocks[layer_block[li]]
                 files.append(self._ranges(layers[li], block))
                 account.add("nvme", "weights", block.numel * dtype.itemsize)
-        self.streamer = BlockStreamer(layers, [tier] * n, device=device, dtype=dtype, files=files,
-                                      host_ahead=host_ahead, nvme_ahead=nvme_ahead,
-                                      io=store.engine if store is not None else None, pin=pin,
-                                      zero_copy_host=False, fetch_delay_s=fetch_delay_s,
-                                      host_flats=host_flats, expected_crc32=self._expected_crc32,
-                                      shards=shards, shard_files=shard_files)
+        self._open_streamer(settings, files, TrainingHomes(
+            host_flats=host_flats, expected_crc32=self._expected_crc32, shards=self.shards,
+            shard_files=shard_files), io=store.engine if store is not None else None)
         # the streamer may have replaced Parameter objects (meta / other dtype): the engine's
         # slots must name the ones the model now holds
         for li in range(n):
@@ -240,7 +274,7 @@ class TrainingStreamer(BlockHooks):
         padded = [Shards(n, world).padded if world > 1 else n for n in layer_numels]
         largest = max(padded) * itemsize
         depth = nvme_ahead if tier == "nvme" else host_ahead
-        out = {("device", "weights"): (1 + depth) * BlockStreamer.slot_raw_bytes(largest, cuda)}
+        out = {("device", "weights"): (1 + depth) * slot_raw_bytes(largest, cuda)}
         homes = [p // world * itemsize for p in padded]  # the whole block in one process
         if tier == "cpu":
             if home == "device":

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offload.config import OffloadConfig
-from offload.train.state import NonFiniteError
+from offload.train.errors import NonFiniteError
 
 # the counters a state file holds (nonfinite_streak is not: a resumed run starts a new streak)
 SAVED = ("global_step", "micro_step", "loss_scale", "clean_steps", "hysteresis_left",

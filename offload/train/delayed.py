@@ -34,17 +34,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
-from offload.memory.blocks import bind_views
+from offload.train.parts import Parts
 from offload.train.paths import AfterBackward
-from offload.train.stepper import StepReport, Update
-from offload.memory.tiers import PlanBytes
-
-if TYPE_CHECKING:
-    from offload.train.engine import Engine
+from offload.train.stepper import BlockStepper, StepReport, Update, Updates
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -57,41 +52,35 @@ class Delayed(AfterBackward):
     """The delayed step path (offload/train/paths.py): step() hands the update to a job."""
     name = "delayed"
 
-    def __init__(self, engine: "Engine"):
-        assert all(f is not None for f in engine.flat16), "delayed_update needs resident weights"
-        super().__init__(engine)
+    def __init__(self, parts: Parts, stepper: BlockStepper, updates: Updates):
+        live = parts.weights
+        assert all(f is not None for f in live.flat16), "delayed_update needs resident weights"
+        super().__init__(parts, stepper, updates)
         # the job's output: a second device copy of every block's 16-bit weights (across
         # ranks at stages 1-2, padded as the live ones are: each rank's job writes its shard,
-        # all-gathered when the weights go live)
+        # all-gathered when the weights go live); its bytes: plan.py shadow_weight_bytes
         self.shadow_padded = [torch.empty_like(p if p is not None else f)
-                              for f, p in zip(engine.flat16, engine.flat16_padded)]
-        self.shadow = [t[:f.numel()] for t, f in zip(self.shadow_padded, engine.flat16)]
+                              for f, p in zip(live.flat16, live.padded)]
+        self.shadow = [t[:f.numel()] for t, f in zip(self.shadow_padded, live.flat16)]
         for t in self.shadow_padded:
-            engine.account.add("device", "weights", t.numel() * t.element_size())
+            parts.account.add("device", "weights", t.numel() * t.element_size())
         self._job: tuple[Future, StepReport] | None = None
         self.gathered = True  # the shadow holds every rank's part (trivially so in one process)
 
-    @staticmethod
-    def plan_bytes(resident_numels: list[int], itemsize: int) -> PlanBytes:
-        """The shadow copy of the resident 16-bit weights (the job's output)."""
-        return {("device", "weights"): sum(resident_numels) * itemsize}
-
     def active(self) -> bool:
         """Past the warm-up: this update is delayed."""
-        return self.engine.global_step >= self.engine.cfg.delayed_update_warmup
+        return self.updates.counters.global_step >= self.parts.cfg.delayed_update_warmup
 
     def step(self, rep: StepReport) -> bool:
         if not self.active():  # a warm-up update: synchronous
             return super().step(rep)
-        e = self.engine
+        e = self.parts
         self.apply(rep)
-        grad_scale, norm = e.grad_scale()
-        rep.loss_scale, rep.grad_norm = e.loss_scale, norm
+        grad_scale = self.grad_scale(rep)
         if grad_scale is None:  # fp16 overflow: this update is skipped, nothing is submitted
-            rep.applied, rep.nonfinite = False, True
             return False
         grads = e.grads.swap_sets()  # the next backward lands in the other set
-        update = e.begin_update(grad_scale)  # step number, lr and grad scale are fixed here
+        update = self.updates.begin(grad_scale)  # step number, lr and grad scale are fixed here
         job_rep = StepReport()
         self._job = (e.step_thread.submit(self._run, update, grads, job_rep), job_rep)
         self.gathered = not e.gathers_weights
@@ -100,19 +89,19 @@ class Delayed(AfterBackward):
 
     def _run(self, update: Update, grads: list[dict[int, torch.Tensor]], rep: StepReport) -> None:
         """On the step thread: every block stepped from `grads` into the shadow weights."""
-        e = self.engine
+        e = self.parts
         # The update writes its new weights to the shadow buffers (the main thread computes
-        # with e.flat16 meanwhile), through aliases with version counters of their own: a
+        # with the live ones meanwhile), through aliases with version counters of their own: a
         # parameter keeps the version counter it was born with (`.data =` does not replace
         # it), and one born as a view of a buffer shares that buffer's, so writing the buffer
         # itself would "modify" live parameters that autograd saved in this very forward.
         update.weights_out = [_alias(t) for t in self.shadow]
         order = e.step_order()
         for bi in order:
-            e.stepper.step_block(update, bi, rep, grads[bi])
+            self.stepper.step_block(update, bi, rep, grads[bi])
         # no compute-stream wait from this thread: apply() orders the compute stream after the
         # uploads, on the main thread, when the weights go live
-        e.stepper.finish(update, rep, order, e.unit_order(), sync_compute=False)
+        self.stepper.finish(update, rep, order, e.unit_order(), sync_compute=False)
 
     @property
     def pending(self) -> bool:
@@ -125,7 +114,7 @@ class Delayed(AfterBackward):
         done: Future = Future()
         done.set_result(None)
         self._job = (done, StepReport())
-        self.gathered = not self.engine.gathers_weights  # load_state filled this rank's part
+        self.gathered = not self.parts.gathers_weights  # load_state filled this rank's part
 
     def join(self) -> None:
         """Wait for the pending job (re-raising its failure); its weights stay pending."""
@@ -141,7 +130,7 @@ class Delayed(AfterBackward):
         or an evaluation's latest_weights). Seconds waited."""
         if self.gathered:
             return 0.0
-        e = self.engine
+        e = self.parts
         self.join()
         if e.cuda:  # the job's uploads into the shadow ran on the H2D stream
             torch.cuda.current_stream(e.device).wait_stream(e.h2d_stream)
@@ -153,7 +142,7 @@ class Delayed(AfterBackward):
         """Wait for the pending job and make its weights the ones the model computes with."""
         if self._job is None:
             return
-        e = self.engine
+        e = self.parts
         t0 = time.perf_counter()
         fut, job_rep = self._job
         self._job = None
@@ -166,11 +155,10 @@ class Delayed(AfterBackward):
         rep.hidden_cpu_step_s += job_rep.cpu_step_s
         rep.hidden_upload_s += job_rep.upload_s
         rep.overlapped_blocks = len(e.blocks)
-        e.flat16, self.shadow = self.shadow, e.flat16
-        # and the (padded) buffers behind them, which the gathers across ranks run on
-        e.flat16_padded, self.shadow_padded = self.shadow_padded, e.flat16_padded
-        for bi, block in enumerate(e.blocks):
-            bind_views(block, e.flat16[bi], e.module)
+        # the shadow goes live, and with it the (padded) buffers behind it, which the gathers
+        # across ranks run on; the old live ones are the next job's output
+        self.shadow, self.shadow_padded = e.weights.swap(self.shadow, self.shadow_padded)
+        e.weights.bind(e.blocks, e.module)
         if e.cuda:
             # the next forward's kernels must see the uploads: the compute stream waits for the
             # H2D stream (a GPU-side wait, no host sync)
@@ -181,7 +169,7 @@ class Delayed(AfterBackward):
         self.join()
         self._job = None
         self.gathered = True  # nothing pending
-        e = self.engine
+        e = self.parts
         if e.cuda:
             # join() waited for the job on the host, not for its uploads on the H2D stream:
             # what overwrites the shadow buffers next (load_state's copies, on the compute

@@ -16,30 +16,27 @@ Every path answers the same three calls from the engine, in this order per updat
                  backward of update t+1, one step stale (ZeRO-Offload's DPU).
 
 A path holds only its own state (the overlapped step's jobs, the delayed step's pending job
-and shadow weights); the update itself is an `Update` the engine builds (begin_update) and the
-`BlockStepper` applies (offload/train/stepper.py). The engine picks the path once, from
-OffloadConfig.step_path().
+and shadow weights); the update itself is an `Update` that `Updates` begins and the
+`BlockStepper` applies (offload/train/stepper.py). A path is built from those two and the
+engine's `Parts` (offload/train/parts.py), never the engine; the engine picks it once, from the
+plan's step_path (offload/train/plan.py).
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
-
-from offload.train.state import NonFiniteError
-from offload.train.stepper import StepReport
-
-if TYPE_CHECKING:
-    from offload.train.engine import Engine
+from offload.train.errors import NonFiniteError
+from offload.train.parts import Parts
+from offload.train.stepper import BlockStepper, StepReport, Updates
 
 
 class AfterBackward:
     """The whole step in step(), after backward (also every path's fallback)."""
     name = "after"
 
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
+    def __init__(self, parts: Parts, stepper: BlockStepper, updates: Updates):
+        self.parts, self.stepper, self.updates = parts, stepper, updates
 
     # -- the three entry points -------------------------------------------------------------
     def backward_begins(self, last_micro: bool) -> None:
@@ -50,15 +47,21 @@ class AfterBackward:
 
     def step(self, rep: StepReport) -> bool:
         """Norm -> clip / overflow check -> every block stepped; False when skipped (inf/nan)."""
-        e = self.engine
-        grad_scale, norm = e.grad_scale()
-        rep.loss_scale, rep.grad_norm = e.loss_scale, norm
+        grad_scale = self.grad_scale(rep)
         if grad_scale is None:  # non-finite (fp16: overflow, scale lowered): nothing touched
-            rep.applied, rep.nonfinite = False, True
             return False
-        update = e.begin_update(grad_scale)
-        e.stepper.finish(update, rep, e.step_order(), e.unit_order())
+        update = self.updates.begin(grad_scale)
+        self.stepper.finish(update, rep, self.parts.step_order(), self.parts.unit_order())
         return True
+
+    def grad_scale(self, rep: StepReport) -> float | None:
+        """The update's gradient scale (Updates.grad_scale), the norm and loss scale noted in
+        `rep`; None, and `rep` marked skipped, when a loss or gradient is inf/nan."""
+        grad_scale, norm = self.updates.grad_scale()
+        rep.loss_scale, rep.grad_norm = self.updates.counters.loss_scale, norm
+        if grad_scale is None:
+            rep.applied, rep.nonfinite = False, True
+        return grad_scale
 
     # -- what anything that reads the state must wait for ------------------------------------
     @property
@@ -76,27 +79,27 @@ class AfterBackward:
 class Overlapped(AfterBackward):
     name = "overlapped"
 
-    def __init__(self, engine: "Engine"):
-        super().__init__(engine)
+    def __init__(self, parts: Parts, stepper: BlockStepper, updates: Updates):
+        super().__init__(parts, stepper, updates)
         self.jobs: list[Future] | None = None  # one per block stepped during this backward
         self.job_rep = StepReport()  # the step thread's time split for those blocks
         self.poisoned: int | None = None  # first block with inf/nan gradients
 
     def backward_begins(self, last_micro: bool) -> None:
-        e = self.engine
+        e = self.parts
         if not last_micro:
             return
         # an update with a non-finite loss is skipped, so no block may be stepped while this
         # backward runs (the one host sync the overlapped path pays for the guard); across
         # ranks every rank must begin in backward or none: one small all-reduce agrees
-        finite = e.losses_finite()
+        finite = self.updates.losses_finite()
         if e.zero is not None:
             finite = not e.zero.any_rank(not finite)
         if not finite:
             return
         # the update's math needs nothing global (no clipping, no overflow check), so it is
         # fixed now and each block is stepped by the step thread as its final gradients land
-        e.begin_update(1.0)
+        self.updates.begin(1.0)
         self.poisoned = None
         self.job_rep = StepReport()
         self.jobs = []
@@ -110,37 +113,44 @@ class Overlapped(AfterBackward):
         """Called when block bi's final gradients have landed (autograd thread on CPU, landing
         worker on CUDA): step it on the step thread while backward continues."""
         if self._finite(bi):
-            self.jobs.append(self.engine.step_thread.submit(
-                self.engine.stepper.step_block, self.engine.update, bi, self.job_rep))
+            self.jobs.append(self.parts.step_thread.submit(
+                self.stepper.step_block, self.updates.current, bi, self.job_rep))
 
     def block_reducing(self, bi: int) -> None:
         """Across ranks: block bi's gradients all landed on this rank and their reduction was
         just issued (on the landing thread). Its job on the step thread first waits for the
         reduction -- the step thread waits, backward goes on -- then steps this rank's part."""
         if self._finite(bi):
-            self.jobs.append(self.engine.step_thread.submit(self._step_reduced, bi))
+            self.jobs.append(self.parts.step_thread.submit(self._step_reduced, bi))
 
     def _step_reduced(self, bi: int) -> None:
-        e = self.engine
-        e.reductions.complete_through(bi)
-        e.stepper.step_block(e.update, bi, self.job_rep)
+        self.parts.reductions.complete_through(bi)
+        self.stepper.step_block(self.updates.current, bi, self.job_rep)
 
     def _finite(self, bi: int) -> bool:
         """Block bi's gradients (this rank's) are finite; else it is not stepped, nor any
         block after it, and step() stops. Orders its upload after backward's kernels."""
-        e = self.engine
-        if self.poisoned is not None or not e.grads.block_finite(bi):
+        if self.poisoned is not None or not self.parts.grads.block_finite(bi):
             # a finite loss with inf/nan gradients: this block is not stepped; step() stops
             if self.poisoned is None:
                 self.poisoned = bi
             return False
-        e.order_upload_after_backward(bi)
+        self._order_upload_after_backward(bi)
         return True
+
+    def _order_upload_after_backward(self, bi: int) -> None:
+        """Before block bi's new weights go up during backward: the upload may overwrite the
+        device weights only after backward's kernels that read them, so the H2D stream waits on
+        the block's last gradient event (GPU-side). Streamed blocks' weights are not the device
+        buffers backward reads; nothing to order on the CPU."""
+        e = self.parts
+        if e.cuda and bi in e.grads.block_event and bi not in e.layer_of:
+            e.h2d_stream.wait_event(e.grads.block_event[bi])
 
     def step(self, rep: StepReport) -> bool:
         if self.jobs is None:  # not begun in backward (a non-finite loss): the plain step
             return super().step(rep)
-        e = self.engine
+        e = self.parts
         t0 = time.perf_counter()
         for job in self.jobs:
             job.result()  # re-raises a failure of the step thread
@@ -160,11 +170,12 @@ class Overlapped(AfterBackward):
                 f"state is inconsistent: resume from the last checkpoint (untouched), and set "
                 f"grad_clip (--grad-clip) so every gradient is checked before any block is "
                 f"stepped")
-        e.update.missing = e.take_missing()  # blocks not stepped yet may miss slots
+        update = self.updates.current
+        update.missing = self.updates.take_missing()  # blocks not stepped yet may miss slots
         o = self.job_rep
         rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
         rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
-        e.stepper.finish(e.update, rep, e.step_order(), e.unit_order())
-        e.counters.on_applied(e.cfg)
+        self.stepper.finish(update, rep, e.step_order(), e.unit_order())
+        self.updates.counters.on_applied(e.cfg)
         return True
 

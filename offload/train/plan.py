@@ -20,16 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.memory.blocks import resident_weight_bytes
-from offload.config import ConfigError, OffloadConfig, format_bytes
-from offload.train.delayed import Delayed
+from offload.config import ConfigError, GradStorageName, OffloadConfig, StepPathName, format_bytes
 from offload.grads.landing import GradLanding
 from offload.memory.mapped import maps_frozen_rest
 from offload.optim.state import NvmeState, ResidentState
-from offload.train.stepper import BlockStepper
 from offload.memory.tiers import (TIERS, BudgetError, PlanBytes, check_fits, device_free_bytes,
                            disk_free_bytes, host_free_bytes, no_pinning, pinned_bytes)
 from offload.stream.train import TrainingStreamer
-from offload.zero.group import Shards
+from offload.zero.group import Shards, env_world
 
 
 @dataclass
@@ -43,6 +41,15 @@ class TrainingPlan:
     # NVMe-tier bytes read from where they already are (a quantized base's block files in their
     # cache), not written into nvme_dir: the disk check leaves them out
     nvme_in_place: int = 0
+    # The decisions, taken here from the config once: build (offload/train/build.py) allocates
+    # from them and nothing below the plan asks the config for them again.
+    world: int = 1  # data-parallel ranks (offload/zero/group.py)
+    step_path: StepPathName = "after"  # how the step meets backward (offload/train/paths.py)
+    step_path_why: str = ""  # ... and why (the start banner says it)
+    grad_storage: GradStorageName = "per_block"  # the gradient landing buffers (grads/storage.py)
+    grad_pool: int = 0  # the pool buffers of "pooled" landing
+    shares_masters: bool = False  # resident 16-bit weights are views of their fp32 masters
+    upload_ring: int = 0  # pinned slots new weights are uploaded from (0: no upload ring)
 
     def total(self, tier: str) -> int:
         return sum(self.bytes.get(tier, {}).values())
@@ -110,6 +117,35 @@ def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtyp
                               head=2 * batch * seq * model_cfg.vocab_size * 4)
 
 
+def training_device(cfg: OffloadConfig) -> torch.device:
+    """The device an engine trains on: cfg.device, or under torchrun cuda:LOCAL_RANK."""
+    device = cfg.resolve_device()
+    if cfg.device is None and device.type == "cuda":
+        device = torch.device("cuda", env_world()[2])  # torchrun: cuda:LOCAL_RANK
+    return device
+
+
+def upload_ring_len(buffer_count: int, num_blocks: int) -> int:
+    """Pinned slots new 16-bit weights are uploaded from: a block can be stepped into one while
+    the previous one's upload runs."""
+    return max(2, min(buffer_count, num_blocks))
+
+
+def decide(blocks: list[tuple[int, bool]], cfg: OffloadConfig, device: torch.device,
+           world: int = 1) -> TrainingPlan:
+    """The plan's decisions for `blocks` under `cfg` (its bytes still empty): how the step
+    meets backward, the gradient landing, shared masters, the upload ring."""
+    sizes = [n for n, _ in blocks]
+    path, why = cfg.step_path(world)
+    storage, pool = cfg.grad_landing(len(blocks), device, world)
+    ring = (upload_ring_len(cfg.buffer_count, len(blocks))
+            if device.type == "cuda" and cfg.offload != "none" else 0)
+    return TrainingPlan(cfg, device, sum(sizes), max(sizes), len(blocks), world=world,
+                        step_path=path, step_path_why=why, grad_storage=storage,
+                        grad_pool=pool, shares_masters=cfg.weights_share_masters(device, world),
+                        upload_ring=ring)
+
+
 def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
                   device: torch.device | None = None,
                   activations: ActivationEstimate | None = None, world: int = 1,
@@ -121,8 +157,9 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     `world` > 1: one of that many data-parallel ranks (cfg.zero_stage; offload/zero/group.py) --
     flat buffers padded to equal shards, optimizer state for rank 0's shard (the largest).
     The sum of what each component says it will allocate (its plan_bytes(), beside its
-    constructor), so the plan cannot drift from the allocations: tests/test_plan_measured.py
-    builds every tier combination and compares the two.
+    constructor; the stepper's rings and the delayed update's shadow weights below), so the plan
+    cannot drift from the allocations: tests/test_plan_measured.py builds every tier combination
+    and compares the two. The decisions the allocations follow are the plan's own (decide()).
     Frozen parameters (a LoRA base): `frozen_layer_bytes`, each layer's frozen parameters
     (blocks.frozen_bytes), are streamed when offload_params is set (offload/stream/frozen.py;
     the trainable blocks then stay resident), else resident on the device like
@@ -133,20 +170,17 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
     gathers its parameters around its forward (offload/zero/rest.py): `rest_module_numel`, the
     most elements one module gathers (zero_rest.largest_module_numel; default: the largest
     such block, an upper bound)."""
-    device = device or cfg.resolve_device()
+    plan = decide(blocks, cfg, device or cfg.resolve_device(), world)
     sizes = [n for n, _ in blocks]
     layers = [i for i, (_, is_layer) in enumerate(blocks) if is_layer]
-    itemsize = cfg.torch_dtype.itemsize
     # stage 3 across ranks streams every layer from this rank's shard of it (offload/zero/group.py)
     stage3 = world > 1 and cfg.zero_stage == 3
     frozen_streamed = any(frozen_layer_bytes or []) and cfg.offload_params != "none"
     streamed = set(layers) if (cfg.offload_params != "none" and not frozen_streamed) or stage3 else set()
-    cuda = device.type == "cuda"
     # Host buffers that cross the link are pinned on a GPU, and pinned memory comes in powers
     # of two (offload/memory/tiers.py, pinned_bytes): plan what they really take (desk review H4).
-    pin = pinned_bytes if cuda and cfg.pin_memory else no_pinning
+    pin = pinned_bytes if plan.device.type == "cuda" and cfg.pin_memory else no_pinning
     resident = [n for i, n in enumerate(sizes) if i not in streamed]
-    streamed_sizes = [sizes[i] for i in sorted(streamed)]
     padded, state_sizes = sizes, sizes
     if world > 1:
         padded = [Shards(n, world).padded for n in sizes]
@@ -154,47 +188,12 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
             state_sizes = [min(n, Shards(n, world).size) for n in sizes]
             resident = [(Shards(sizes[i], world).size if stage3 else padded[i])
                         for i in range(len(sizes)) if i not in streamed]
-    # resident weights that are views of their fp32 masters take no bytes of their own
-    shared = cfg.weights_share_masters(device, world)
-    parts = [resident_weight_bytes([] if shared else resident, itemsize)]
-    rest = [sizes[i] for i in range(len(sizes)) if i not in streamed]
-    if stage3 and rest:  # the modules' gathered parameters, one module at a time
-        parts.append({("device", "buffers"): (rest_module_numel if rest_module_numel is not None
-                                              else max(rest)) * itemsize})
-    if streamed:
-        parts.append(TrainingStreamer.plan_bytes(
-            streamed_sizes, "cpu" if stage3 and cfg.offload_params == "none" else cfg.offload_params,
-            itemsize, cuda=cuda,
-            pin=pin, host_ahead=1, nvme_ahead=cfg.prefetch_blocks, world=world if stage3 else 1,
-            home="device" if stage3 and cfg.offload_params == "none" else "host"))
-    if frozen_streamed:
-        parts.append(TrainingStreamer.plan_bytes(  # FrozenBaseStreamer allocates the same
-            [n for n in frozen_layer_bytes if n], cfg.offload_params, 1, cuda=cuda, pin=pin,
-            host_ahead=1, nvme_ahead=cfg.prefetch_blocks))
-    frozen_device = 0 if frozen_streamed else sum(frozen_layer_bytes or [])
-    # the frozen parameters outside the layers: mapped from swap files or resident (mapped.py)
-    rest_tier = "nvme" if maps_frozen_rest(cfg.offload_params, device) else "device"
-    for tier, nbytes in ((rest_tier, frozen_resident_bytes), ("device", frozen_device)):
-        if nbytes:
-            parts.append({(tier, "frozen"): nbytes})
-    if cfg.offload == "nvme":
-        parts.append(NvmeState.plan_bytes(state_sizes, cfg.buffer_count, cfg.sub_group_size))
-    else:
-        parts.append(ResidentState.plan_bytes(state_sizes,
-                                              "device" if cfg.offload == "none" else "host"))
-    storage, pool = cfg.grad_landing(len(blocks), device, world)
-    parts.append(GradLanding.plan_bytes(
-        padded, cfg.torch_dtype, cfg.grad_accum_steps, cuda=cuda,
-        landing_tier="device" if cfg.offload == "none" else "host", storage=storage,
-        pool_buffers=pool, pooled_blocks=set(layers) or None, pin=pin, world=world))
-    parts.append(BlockStepper.plan_bytes(
-        sizes, streamed_sizes if cfg.offload_params == "nvme" else [], itemsize, cuda=cuda,
-        offload=cfg.offload, buffer_count=cfg.buffer_count, pin=pin))
-    if cfg.step_path(world)[0] == "delayed":
-        parts.append(Delayed.plan_bytes(resident, itemsize))
+    parts = _weight_bytes(plan, sizes, streamed, resident, pin, rest_module_numel)
+    parts += _frozen_bytes(plan, frozen_layer_bytes or [], frozen_streamed,
+                           frozen_resident_bytes, pin)
+    parts += _step_bytes(plan, sizes, padded, state_sizes, resident, streamed, layers, pin)
     if activations is not None:
         parts.append(activation_bytes(activations, cfg, len(layers), pin))
-    plan = TrainingPlan(cfg, device, sum(sizes), max(sizes), len(blocks))
     if frozen_in_place and frozen_streamed and cfg.offload_params == "nvme":
         plan.nvme_in_place = sum(frozen_layer_bytes)
     plan.bytes = {tier: {} for tier in TIERS}
@@ -202,6 +201,86 @@ def plan_training(blocks: list[tuple[int, bool]], cfg: OffloadConfig,
         for (tier, kind), nbytes in part.items():
             plan.bytes[tier][kind] = plan.bytes[tier].get(kind, 0) + nbytes
     return plan
+
+
+def _weight_bytes(plan: TrainingPlan, sizes: list[int], streamed: set[int], resident: list[int],
+                  pin, rest_module_numel: int | None) -> list[PlanBytes]:
+    """The trainable blocks' 16-bit weights: resident (none of their own when they are views of
+    the masters), the stage-3 modules' gathers, the streamer's slots and homes."""
+    cfg, world = plan.cfg, plan.world
+    itemsize = cfg.torch_dtype.itemsize
+    stage3 = world > 1 and cfg.zero_stage == 3
+    parts = [resident_weight_bytes([] if plan.shares_masters else resident, itemsize)]
+    rest = [sizes[i] for i in range(len(sizes)) if i not in streamed]
+    if stage3 and rest:  # the modules' gathered parameters, one module at a time
+        parts.append({("device", "buffers"): (rest_module_numel if rest_module_numel is not None
+                                              else max(rest)) * itemsize})
+    if streamed:
+        parts.append(TrainingStreamer.plan_bytes(
+            [sizes[i] for i in sorted(streamed)],
+            "cpu" if stage3 and cfg.offload_params == "none" else cfg.offload_params,
+            itemsize, cuda=plan.device.type == "cuda",
+            pin=pin, host_ahead=1, nvme_ahead=cfg.prefetch_blocks, world=world if stage3 else 1,
+            home="device" if stage3 and cfg.offload_params == "none" else "host"))
+    return parts
+
+
+def _frozen_bytes(plan: TrainingPlan, frozen_layer_bytes: list[int], frozen_streamed: bool,
+                  frozen_resident_bytes: int, pin) -> list[PlanBytes]:
+    """Frozen parameters: a streamed base's slots and homes, or the base on the device, and
+    the frozen parameters outside the layers."""
+    cfg, parts = plan.cfg, []
+    if frozen_streamed:
+        parts.append(TrainingStreamer.plan_bytes(  # FrozenBaseStreamer allocates the same
+            [n for n in frozen_layer_bytes if n], cfg.offload_params, 1,
+            cuda=plan.device.type == "cuda", pin=pin,
+            host_ahead=1, nvme_ahead=cfg.prefetch_blocks))
+    frozen_device = 0 if frozen_streamed else sum(frozen_layer_bytes)
+    # the frozen parameters outside the layers: mapped from swap files or resident (mapped.py)
+    rest_tier = "nvme" if maps_frozen_rest(cfg.offload_params, plan.device) else "device"
+    for tier, nbytes in ((rest_tier, frozen_resident_bytes), ("device", frozen_device)):
+        if nbytes:
+            parts.append({(tier, "frozen"): nbytes})
+    return parts
+
+
+def _step_bytes(plan: TrainingPlan, sizes: list[int], padded: list[int], state_sizes: list[int],
+                resident: list[int], streamed: set[int], layers: list[int],
+                pin) -> list[PlanBytes]:
+    """The optimizer state, the gradient landing, the stepper's rings and the delayed update's
+    shadow weights."""
+    cfg = plan.cfg
+    itemsize = cfg.torch_dtype.itemsize
+    if cfg.offload == "nvme":
+        parts = [NvmeState.plan_bytes(state_sizes, cfg.buffer_count, cfg.sub_group_size)]
+    else:
+        parts = [ResidentState.plan_bytes(state_sizes, "device" if cfg.offload == "none" else "host")]
+    parts.append(GradLanding.plan_bytes(
+        padded, cfg.torch_dtype, cfg.grad_accum_steps, cuda=plan.device.type == "cuda",
+        landing_tier="device" if cfg.offload == "none" else "host", storage=plan.grad_storage,
+        pool_buffers=plan.grad_pool, pooled_blocks=set(layers) or None, pin=pin, world=plan.world))
+    nvme_layers = [sizes[i] for i in sorted(streamed)] if cfg.offload_params == "nvme" else []
+    parts.append(step_ring_bytes(plan.upload_ring, sizes, nvme_layers, itemsize, cfg.buffer_count, pin))
+    if plan.step_path == "delayed":
+        parts.append(shadow_weight_bytes(resident, itemsize))
+    return parts
+
+
+def step_ring_bytes(upload_ring: int, numels: list[int], nvme_layer_numels: list[int],
+                    itemsize: int, buffer_count: int, pin) -> PlanBytes:
+    """What BlockStepper allocates (offload/train/stepper.py): the pinned upload ring
+    (`upload_ring` slots of the largest block) and the write-behind ring of the blocks whose
+    16-bit weights live in swap files (`nvme_layer_numels`; pageable)."""
+    ring = upload_ring * pin(max(numels) * itemsize) if upload_ring else 0
+    if nvme_layer_numels:
+        ring += buffer_count * max(nvme_layer_numels) * itemsize
+    return {("host", "buffers"): ring} if ring else {}
+
+
+def shadow_weight_bytes(resident_numels: list[int], itemsize: int) -> PlanBytes:
+    """The delayed update's shadow copy of the resident 16-bit weights (the job's output,
+    offload/train/delayed.py)."""
+    return {("device", "weights"): sum(resident_numels) * itemsize}
 
 
 def activation_bytes(est: ActivationEstimate, cfg: OffloadConfig, num_layers: int,

@@ -10,6 +10,10 @@ step. Everything read back is validated (layout against
 this model, counters, shapes and dtypes) and refused in one line that says what to do. A
 delayed update still pending at the save is saved as it is (offload/train/delayed.py): the weights
 in use go beside the masters, so a resumed run continues exactly.
+
+What is saved comes from the engine's components, never the engine: the `Parts` (blocks,
+optimizer state, live weights, ranks), `Updates` (its state_dict(): counters and learning rate)
+and the step path (a delayed update's pending job and shadow weights).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,18 +29,13 @@ import nvme.format as nvme_format  # write_file looked up per call: fault inject
 from nvme.format import FormatError, SafetensorsFile
 from offload.optim.state import NvmeState
 from offload.memory.tiers import all_finite
+from offload.train.delayed import Delayed
+from offload.train.errors import NonFiniteError, StateError
+from offload.train.parts import Parts
+from offload.train.paths import AfterBackward
+from offload.train.stepper import Updates
 
-if TYPE_CHECKING:
-    from offload.train.engine import Engine
-
-
-class StateError(RuntimeError):
-    """A saved training state cannot be restored into this engine."""
-
-
-class NonFiniteError(StateError):
-    """Training produced inf/nan where it must not go on (too many skipped updates in a row,
-    or a state about to be saved); nothing non-finite was written."""
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # a block's fp32 state, in its files
 
 
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -49,45 +48,49 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
                                  f"learning rate or gradient clipping")
 
 
-def layout(engine: "Engine") -> list[dict[str, Any]]:
+def layout(parts: Parts) -> list[dict[str, Any]]:
     return [{"name": b.name, "numel": b.numel,
-             "params": [[s.name, list(s.shape)] for s in b.slots]} for b in engine.blocks]
+             "params": [[s.name, list(s.shape)] for s in b.slots]} for b in parts.blocks]
 
 
-def state_meta(engine: "Engine") -> dict[str, Any]:
+def delayed_of(path: AfterBackward) -> Delayed | None:
+    """The delayed step path (its pending job and shadow weights), when it is the path."""
+    return path if isinstance(path, Delayed) else None
+
+
+def state_meta(parts: Parts, updates: Updates, path: AfterBackward) -> dict[str, Any]:
     """Everything besides the tensors that a resumed run needs to continue exactly."""
-    return {"format": "offload-engine-state", "version": 1, **engine.counters.to_meta(),
-            "lr": engine.lr, "dtype": engine.cfg.dtype,
-            "delayed_pending": engine.delayed is not None and engine.delayed.pending,
-            "layout": layout(engine)}
+    return {"format": "offload-engine-state", "version": 1, **updates.state_dict(),
+            "dtype": parts.cfg.dtype, "delayed_pending": path.pending,
+            "layout": layout(parts)}
 
 
-def save_state(engine: "Engine", directory: str) -> None:
+def save_state(parts: Parts, updates: Updates, path: AfterBackward, directory: str) -> None:
     """Write masters, moments and counters into `directory` (one safetensors file per block,
     each written atomically, then engine_state.json last: a directory whose json exists is
     complete). Only whole updates are saved: call at an accumulation boundary."""
-    if engine.micro_step % engine.cfg.grad_accum_steps:
+    if updates.counters.micro_step % parts.cfg.grad_accum_steps:
         raise RuntimeError("save_state in the middle of gradient accumulation; save after the "
                            "step() that applied an update")
     # A delayed update whose weights are not live yet is saved as it is: the masters
     # already include it and the weights in use are saved beside them ("live"), so the
     # resumed run computes with the same stale weights as the run that goes on.
-    engine.join_delayed()
-    pending = engine.delayed is not None and engine.delayed.pending
+    path.join()
+    pending = path.pending
     os.makedirs(directory, exist_ok=True)
-    zero = engine.zero
+    zero = parts.zero
     if zero is not None and zero.stage >= 1:
-        _save_shards(engine, directory)
+        _save_shards(parts, state_meta(parts, updates, path), pending, directory)
         return
     if zero is None or zero.rank == 0:  # stage 0: every rank holds the same whole state
-        for bi, block in enumerate(engine.blocks):
-            tensors = engine.optimizer_state(bi)
+        for bi, block in enumerate(parts.blocks):
+            tensors = {k: parts.read_state(bi, k) for k in KINDS}
             check_finite(tensors, f"block {block.name}")
             if pending:
-                tensors["live"] = engine.flat16[bi].cpu()
+                tensors["live"] = parts.weights.flat16[bi].cpu()
             nvme_format.write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
                        tensors, {"block": block.name})
-        _write_meta(directory, state_meta(engine))
+        _write_meta(directory, state_meta(parts, updates, path))
     if zero is not None:
         zero.barrier()  # nobody goes on before the state is complete
 
@@ -101,21 +104,20 @@ def _write_meta(directory: str, meta: dict[str, Any]) -> None:
     os.replace(tmp, os.path.join(directory, "engine_state.json"))
 
 
-def _save_shards(engine: "Engine", directory: str) -> None:
+def _save_shards(parts: Parts, meta: dict[str, Any], pending: bool, directory: str) -> None:
     """Each rank its own shard of every block; the json (rank 0) after all are written. A
     shard with inf/nan stops every rank before the json exists (the save is incomplete, so
-    the previous checkpoint stays the one to resume from)."""
-    zero = engine.zero
+    the previous checkpoint stays the one to resume from). `pending`: a delayed update
+    (stages 1-2) whose weights in use each rank saves its part of."""
+    zero = parts.zero
     bad = None
-    # a pending delayed update (stages 1-2): each rank saves its part of the weights in use
-    pending = engine.delayed is not None and engine.delayed.pending
-    for bi, block in enumerate(engine.blocks):
-        lo, hi = engine.owned(bi)
+    for bi, block in enumerate(parts.blocks):
+        lo, hi = parts.owned(bi)
         if hi <= lo:
             continue
-        tensors = {k: engine.state.read(bi, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+        tensors = {k: parts.state.read(bi, k) for k in KINDS}
         if pending:
-            tensors["live"] = engine.flat16[bi][lo:hi].cpu()
+            tensors["live"] = parts.weights.flat16[bi][lo:hi].cpu()
         try:
             check_finite(tensors, f"block {block.name} (rank {zero.rank}'s shard)")
         except NonFiniteError as e:
@@ -128,9 +130,8 @@ def _save_shards(engine: "Engine", directory: str) -> None:
                                     "saving (the last checkpoint stays as it was)")
     if zero.rank == 0:
         shards = [[[r, *zero.shards(b.numel).range(r)] for r in range(zero.world)
-                   if _nonempty(zero.shards(b.numel).range(r))] for b in engine.blocks]
-        _write_meta(directory, {**state_meta(engine), "shards": {"world": zero.world,
-                                                                 "pieces": shards}})
+                   if _nonempty(zero.shards(b.numel).range(r))] for b in parts.blocks]
+        _write_meta(directory, {**meta, "shards": {"world": zero.world, "pieces": shards}})
     zero.barrier()
 
 
@@ -142,23 +143,23 @@ def _shard_file(bi: int, rank: int) -> str:
     return f"block-{bi:05d}.rank-{rank:05d}.safetensors"
 
 
-def load_state(engine: "Engine", directory: str) -> None:
+def load_state(parts: Parts, updates: Updates, path: AfterBackward, directory: str) -> None:
     """Restore what save_state wrote; refuses a state saved from a different model."""
     meta, meta_path = _read_meta(directory)
-    if engine.delayed is not None:
-        engine.delayed.drop()  # everything below overwrites what the pending job produced
-    skips, pending = _check_meta(engine, meta, meta_path, directory)
-    pieces = _pieces(engine, meta, meta_path, directory)
-    for bi in range(len(engine.blocks)):
-        _load_block(engine, bi, pending, pieces[bi])
-    if engine.gathers_weights:  # each rank loaded its shard of the 16-bit weights
-        engine.zero.gather_weights(engine.flat16_padded, engine.step_order())
-    engine.counters.load_meta({**meta, "slot_skips": skips})
-    engine.lr = meta["lr"]
-    if pending and engine.delayed is not None:
-        engine.delayed.mark_pending()  # the next step() makes the masters' weights live
-    if isinstance(engine.state, NvmeState):
-        engine.state.end_step(engine.unit_order(), engine.global_step)
+    delayed = delayed_of(path)
+    if delayed is not None:
+        delayed.drop()  # everything below overwrites what the pending job produced
+    skips, pending = _check_meta(parts, meta, meta_path, directory)
+    pieces = _pieces(parts, meta, meta_path, directory)
+    for bi in range(len(parts.blocks)):
+        _load_block(parts, delayed, bi, pending, pieces[bi])
+    if parts.gathers_weights:  # each rank loaded its shard of the 16-bit weights
+        parts.zero.gather_weights(parts.weights.padded, parts.step_order())
+    updates.load_state_dict({**meta, "slot_skips": skips})
+    if pending and delayed is not None:
+        delayed.mark_pending()  # the next step() makes the masters' weights live
+    if isinstance(parts.state, NvmeState):
+        parts.state.end_step(parts.unit_order(), updates.counters.global_step)
 
 
 def _read_meta(directory: str) -> tuple[dict, str]:
@@ -179,11 +180,12 @@ def _read_meta(directory: str) -> tuple[dict, str]:
     return meta, meta_path
 
 
-def _check_meta(engine: "Engine", meta: dict, meta_path: str, directory: str
+def _check_meta(parts: Parts, meta: dict, meta_path: str, directory: str
                 ) -> tuple[dict, bool]:
     """Refuse a state from another model, dtype or configuration, or with damaged counters;
     returns the validated slot_skips and whether a delayed update was pending."""
-    if meta.get("layout") != layout(engine):
+    cfg = parts.cfg
+    if meta.get("layout") != layout(parts):
         raise StateError(f"{directory}: the saved state is for a different model (its "
                          f"parameter names or shapes differ from this model's); resume with "
                          f"the model it was saved from or start a fresh run")
@@ -198,21 +200,21 @@ def _check_meta(engine: "Engine", meta: dict, meta_path: str, directory: str
                              f"({value!r}); the saved state is damaged — resume from "
                              f"another checkpoint")
     skips = meta.get("slot_skips", {})
-    names = {s.name for b in engine.blocks for s in b.slots}
+    names = {s.name for b in parts.blocks for s in b.slots}
     if not isinstance(skips, dict) or not all(
             k in names and type(v) is int and 0 < v <= meta["global_step"] for k, v in skips.items()):
         raise StateError(f"{meta_path}: 'slot_skips' must map this model's parameter names to "
                          f"update counts in [1, global_step]; the saved state is damaged — resume "
                          f"from another checkpoint")
-    if meta.get("dtype") != engine.cfg.dtype:
+    if meta.get("dtype") != cfg.dtype:
         raise StateError(f"{meta_path}: saved with dtype {meta.get('dtype')!r}, this engine runs "
-                         f"{engine.cfg.dtype!r} (the loss scale and gradient rounding differ); "
+                         f"{cfg.dtype!r} (the loss scale and gradient rounding differ); "
                          f"resume with the dtype it was saved with")
-    if meta["micro_step"] % engine.cfg.grad_accum_steps or \
-            meta["micro_step"] < meta["global_step"] * engine.cfg.grad_accum_steps:
+    if meta["micro_step"] % cfg.grad_accum_steps or \
+            meta["micro_step"] < meta["global_step"] * cfg.grad_accum_steps:
         raise StateError(f"{meta_path}: micro_step {meta['micro_step']} does not fit global_step "
                          f"{meta['global_step']} with grad_accum_steps "
-                         f"{engine.cfg.grad_accum_steps} (states are saved at an update "
+                         f"{cfg.grad_accum_steps} (states are saved at an update "
                          f"boundary); the saved state is damaged or from another configuration")
     pending = meta.get("delayed_pending", False)
     if not isinstance(pending, bool):
@@ -222,19 +224,19 @@ def _check_meta(engine: "Engine", meta: dict, meta_path: str, directory: str
     return skips, pending
 
 
-def _pieces(engine: "Engine", meta: dict, meta_path: str,
+def _pieces(parts: Parts, meta: dict, meta_path: str,
             directory: str) -> list[list[tuple[str, int, int]]]:
     """Per block, the files its state was saved in and the [lo, hi) each holds: one whole-block
     file (one process, or stage 0), or one per rank (stages 1-3), checked to tile the block."""
     shards = meta.get("shards")
     if shards is None:
         return [[(os.path.join(directory, f"block-{bi:05d}.safetensors"), 0, b.numel)]
-                for bi, b in enumerate(engine.blocks)]
+                for bi, b in enumerate(parts.blocks)]
     pieces = shards.get("pieces") if isinstance(shards, dict) else None
     out = []
-    for bi, b in enumerate(engine.blocks):
+    for bi, b in enumerate(parts.blocks):
         rows = pieces[bi] if isinstance(pieces, list) and bi < len(pieces) else None
-        ok = (isinstance(rows, list) and len(pieces) == len(engine.blocks)
+        ok = (isinstance(rows, list) and len(pieces) == len(parts.blocks)
               and all(isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r)
                       for r in rows))
         if ok:
@@ -249,17 +251,17 @@ def _pieces(engine: "Engine", meta: dict, meta_path: str,
     return out
 
 
-def _load_block(engine: "Engine", bi: int, pending: bool,
+def _load_block(parts: Parts, delayed: Delayed | None, bi: int, pending: bool,
                 pieces: list[tuple[str, int, int]]) -> None:
     """Block bi's masters and moments over the range this process owns (its shard across
     ranks) from the saved pieces that overlap it, into the optimizer state, and its 16-bit
     weights (from the masters, or the saved live weights of a pending delayed update) into
     their tier."""
-    block = engine.blocks[bi]
-    lo, hi = engine.owned(bi)
-    values = {k: torch.empty(hi - lo, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
+    block, dtype = parts.blocks[bi], parts.dtype
+    lo, hi = parts.owned(bi)
+    values = {k: torch.empty(hi - lo, dtype=torch.float32) for k in KINDS}
     # a pending delayed update's weights in use, over [lo, hi) too (saved whole or per rank)
-    live = torch.empty(hi - lo, dtype=engine.dtype) if pending else None
+    live = torch.empty(hi - lo, dtype=dtype) if pending else None
     for path, plo, phi in pieces:
         a, b = max(lo, plo), min(hi, phi)
         if a >= b:
@@ -276,19 +278,20 @@ def _load_block(engine: "Engine", bi: int, pending: bool,
                                  f"expected ({phi - plo},) float32")
             values[kind][a - lo:b - lo] = t[a - plo:b - plo]
         if saved_live is not None:
-            if saved_live.shape != (phi - plo,) or saved_live.dtype != engine.dtype:
+            if saved_live.shape != (phi - plo,) or saved_live.dtype != dtype:
                 raise StateError(f"{path}: live weights have shape {tuple(saved_live.shape)} "
-                                 f"{saved_live.dtype}, expected ({phi - plo},) {engine.dtype}")
+                                 f"{saved_live.dtype}, expected ({phi - plo},) {dtype}")
             live[a - lo:b - lo] = saved_live[a - plo:b - plo]
     for kind, t in values.items():
-        engine.state.load(bi, kind, t)
-    if bi in engine.layer_of:  # 16-bit weights follow the masters, in their tier
-        engine.streaming.load_weights(engine.layer_of[bi], values["master"].to(engine.dtype))
-    elif live is not None and engine.delayed is not None:
+        parts.state.load(bi, kind, t)
+    flat16 = parts.weights.flat16
+    if bi in parts.layer_of:  # 16-bit weights follow the masters, in their tier
+        parts.streaming.load_weights(parts.layer_of[bi], values["master"].to(dtype))
+    elif live is not None and delayed is not None:
         # the saved run was computing with the weights from before its last update; across
         # ranks each rank fills its part of both, gathered after (load_state, the next step)
-        engine.flat16[bi][lo:hi].copy_(live)
-        engine.delayed.shadow[bi][lo:hi].copy_(values["master"])
+        flat16[bi][lo:hi].copy_(live)
+        delayed.shadow[bi][lo:hi].copy_(values["master"])
     else:  # not delayed now: the pending update simply goes live
-        base = engine.weight_base(bi)  # stage 3: the home is this rank's shard
-        engine.flat16[bi][lo - base:hi - base].copy_(values["master"])
+        base = parts.weight_base(bi)  # stage 3: the home is this rank's shard
+        flat16[bi][lo - base:hi - base].copy_(values["master"])

@@ -1,9 +1,11 @@
-"""One optimizer update as a value, and the block stepper that applies it.
+"""One optimizer update as a value, what begins it, and the block stepper that applies it.
 
-An `Update` is fixed when it begins (Engine.begin_update): its step number, learning rate and
-gradient scale, the slots without a gradient, and where new 16-bit weights go. The
-`BlockStepper` applies it one block at a time -- optimizer state in, one fused AdamW pass, state
-out, the new 16-bit weights on to their tier -- from whichever thread the step path chose: the
+An `Update` is fixed when it begins (`Updates.begin`): its step number, learning rate and
+gradient scale, the slots without a gradient, and where new 16-bit weights go. `Updates` holds
+what decides it -- the counters and loss scale, the learning rate, the window's losses and
+slots without a gradient -- and is what a state file saves of it. The `BlockStepper` applies
+it one block at a time -- optimizer state in, one fused AdamW pass, state out, the new 16-bit
+weights on to their tier -- from whichever thread the step path chose: the
 main thread after backward, the step thread while backward runs (overlapped), or the step
 thread during the next forward and backward (delayed). What moves between threads is the
 Update and the blocks' buffers; the stepper's own rings are used by one update at a time.
@@ -21,16 +23,15 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 import torch
 
 from offload.gpu import host_event, on_stream, side_stream_delay
 from offload.optim.adamw import cpu_adamw_step
-from offload.memory.tiers import PlanBytes, host_empty
-
-if TYPE_CHECKING:
-    from offload.train.engine import Engine
+from offload.memory.tiers import host_empty
+from offload.train.counters import TrainingCounters
+from offload.train.parts import Parts
 
 
 @dataclass
@@ -80,10 +81,97 @@ class Update:
     k: int = 0  # blocks stepped so far: rotates the rings
 
 
-def upload_ring_len(buffer_count: int, num_blocks: int) -> int:
-    """Pinned slots new 16-bit weights are uploaded from: a block can be stepped into one while
-    the previous one's upload runs."""
-    return max(2, min(buffer_count, num_blocks))
+class Updates:
+    """What begins each update, and the bookkeeping a state file saves with it: the counters
+    (steps, loss scale, skips), the learning rate, this window's losses and the slots that got no
+    gradient. The step paths ask it for the gradient scale and to begin the update; the engine
+    feeds it (each backward's loss, the window's missing slots at step())."""
+
+    def __init__(self, parts: Parts, counters: TrainingCounters, lr: float):
+        self.parts = parts
+        self.counters = counters
+        self.lr = lr
+        self.current: Update | None = None  # the update being applied, from begin() on
+        self.next_missing: dict[int, set[str]] = {}
+        self.loss_finite: list[torch.Tensor] = []  # 0-d bools of this window's losses
+        # the order clip_grad_norm_ would see the parameters in: model.parameters() order
+        order = {name: i for i, (name, _) in enumerate(parts.module.named_parameters())}
+        self.norm_order = sorted((s.name for b in parts.blocks for s in b.slots),
+                                 key=order.__getitem__)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and the learning rate, as the state file's json holds them."""
+        return {**self.counters.to_meta(), "lr": self.lr}
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        """Take what state_dict() gave (validated by the caller)."""
+        self.counters.load_meta(meta)
+        self.lr = meta["lr"]
+
+    def losses_finite(self) -> bool:
+        """Every loss of this window is finite (a host sync on the device's losses)."""
+        return bool(torch.stack(self.loss_finite).all()) if self.loss_finite else True
+
+    def grad_scale(self) -> tuple[float | None, float | None]:
+        """(factor to multiply gradients by, global norm of the true gradients) — or (None, norm)
+        when a loss or gradient is inf/nan (fp16: an overflow) and the update must be skipped.
+        The per-parameter norms were taken as the gradients landed, so the check over every
+        gradient costs no pass over memory, in any dtype."""
+        p, counters = self.parts, self.counters
+        cfg = p.cfg
+        fp16 = cfg.dtype == "fp16"
+        if p.zero is not None:  # of the averaged gradients, over every rank's shards
+            total = p.zero.global_norm(self._owned_grads(), self.losses_finite())
+        else:  # of the (loss-scaled) gradients
+            total = p.grads.global_norm(self.norm_order)
+        if not (self.losses_finite() and bool(torch.isfinite(total))):
+            counters.on_nonfinite(cfg)
+            return None, float(total)
+        counters.on_applied(cfg)
+        if not (cfg.grad_clip > 0 or fp16):
+            return 1.0, float(total)
+        inv_scale = 1.0 / counters.loss_scale
+        if inv_scale != 1.0:
+            total = total * inv_scale
+        if cfg.grad_clip <= 0:
+            return inv_scale, float(total)
+        # exactly clip_grad_norm_'s arithmetic: fp32 tensors, 1e-6 guard, clamp at 1
+        coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
+        return float(coef) * inv_scale if inv_scale != 1.0 else float(coef), float(total)
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """This rank's shard of each block's averaged gradient (its part of the global norm)."""
+        p, out = self.parts, []
+        for bi, b in enumerate(p.blocks):
+            lo, hi = p.zero.shards(b.numel).range(p.zero.rank)
+            out.append(p.grads.step_pieces(bi)[lo] if p.grads.sharded
+                       else p.grads.buffer(bi)[lo:hi])
+        return out
+
+    def begin(self, grad_scale: float) -> Update:
+        """The next update, fixed now (step number, lr, gradient scale); the stepper applies it
+        block by block, from whichever thread the step path uses."""
+        p = self.parts
+        self.counters.global_step += 1
+        self.current = Update(step=self.counters.global_step, lr=self.lr, grad_scale=grad_scale,
+                              io0=p.state.io_wait_s, missing=self.take_missing())
+        if p.cuda:
+            # the H2D stream overwrites device weights that backward's kernels may still be
+            # reading: order it after everything issued so far on the compute stream
+            p.h2d_stream.wait_stream(torch.cuda.current_stream(p.device))
+        p.state.begin_step(p.unit_order())
+        return self.current
+
+    def take_missing(self) -> dict[int, set[str]]:
+        """This update's slots without a gradient (found at step()): not stepped, and their
+        own AdamW step count falls one further behind. Overlapped: {} when the update begins
+        in backward, the real set at step()."""
+        missing, self.next_missing = self.next_missing, {}
+        skips = self.counters.slot_skips
+        for names in missing.values():
+            for name in names:
+                skips[name] = skips.get(name, 0) + 1
+        return missing
 
 
 def torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -106,12 +194,14 @@ def torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: to
 
 
 class BlockStepper:
-    """Applies Updates block by block for `engine` (its state, gradients, weights and links)."""
+    """Applies Updates block by block to `parts` (their state, gradients, weights and links);
+    `counters`: the updates each slot missed (their own AdamW step numbers)."""
 
-    def __init__(self, engine: "Engine"):
-        self.e = engine
-        cfg = engine.cfg
-        self.kernel = (torch_adamw_step if (cfg.offload == "none" and engine.cuda) else
+    def __init__(self, parts: Parts, counters: TrainingCounters):
+        self.p = parts
+        self.counters = counters
+        cfg = parts.cfg
+        self.kernel = (torch_adamw_step if (cfg.offload == "none" and parts.cuda) else
                        functools.partial(cpu_adamw_step, exact=cfg.exact_optimizer))
         self.weight_writes: list = []  # nvme-tier weight writes of the current update
         self.weight_ring: list[torch.Tensor] = []  # made at the first nvme-tier block
@@ -119,32 +209,19 @@ class BlockStepper:
         self.pending_io_s = 0.0
         self.upload_ring: list[torch.Tensor] = []
         self.upload_done: list = []
-        if engine.cuda and cfg.offload != "none":  # "none" steps on the device: no ring
-            ring = upload_ring_len(cfg.buffer_count, len(engine.blocks))
-            max_numel = max(b.numel for b in engine.blocks)
-            self.upload_ring = [host_empty(max_numel, engine.dtype, engine.pin) for _ in range(ring)]
+        ring = parts.plan.upload_ring  # CUDA, state off the device ("none" steps on the device)
+        if ring:  # its bytes: offload/train/plan.py step_ring_bytes
+            max_numel = max(b.numel for b in parts.blocks)
+            self.upload_ring = [host_empty(max_numel, parts.dtype, parts.pin) for _ in range(ring)]
             self.upload_done = [None] * ring
-            engine.account.add("host", "buffers", sum(t.nbytes for t in self.upload_ring))
-
-    @staticmethod
-    def plan_bytes(numels: list[int], nvme_layer_numels: list[int], itemsize: int, *,
-                   cuda: bool, offload: str, buffer_count: int,
-                   pin: Callable[[int], int]) -> PlanBytes:
-        """The pinned upload ring (CUDA, state off the device) and the write-behind ring of the
-        blocks whose 16-bit weights live in swap files (`nvme_layer_numels`; pageable)."""
-        ring = 0
-        if cuda and offload != "none":
-            ring = upload_ring_len(buffer_count, len(numels)) * pin(max(numels) * itemsize)
-        if nvme_layer_numels:
-            ring += buffer_count * max(nvme_layer_numels) * itemsize
-        return {("host", "buffers"): ring} if ring else {}
+            parts.account.add("host", "buffers", sum(t.nbytes for t in self.upload_ring))
 
     def step_block(self, u: Update, bi: int, rep: StepReport,
                    pieces: dict[int, torch.Tensor] | None = None) -> None:
         """AdamW on block bi: state in, fused step, state out, new 16-bit weights to their tier.
         `pieces`: the block's gradient as GradLanding.step_pieces gives it (default: where it
         landed in this backward; the delayed update passes the set it swapped out)."""
-        e, cfg = self.e, self.e.cfg
+        e, cfg = self.p, self.p.cfg
         beta1, beta2 = cfg.betas
         out16, where = self._target(u, bi)
         # block offset of out16[0]: this rank's shard at stage 3 is the home of its weights
@@ -192,8 +269,8 @@ class BlockStepper:
         slots do not all share the update's step number or `per_slot` asks for them; None (one
         kernel call) otherwise."""
         missing = u.missing.get(bi, ())
-        skips = self.e.slot_skips
-        slots = self.e.blocks[bi].slots
+        skips = self.counters.slot_skips
+        slots = self.p.blocks[bi].slots
         if not per_slot and not missing and not any(s.name in skips for s in slots):
             return None
         return [(s.offset, s.offset + s.numel,
@@ -203,7 +280,7 @@ class BlockStepper:
                sync_compute: bool = True) -> None:
         """Blocks not stepped yet (in `order`), then make the update durable and visible to the
         next forward (sync_compute: order the compute stream after the uploads now)."""
-        e = self.e
+        e = self.p
         for bi in order:
             if bi not in u.stepped:
                 self.step_block(u, bi, rep)
@@ -225,7 +302,7 @@ class BlockStepper:
     def _target(self, u: Update, bi: int) -> tuple[torch.Tensor, tuple[str, int]]:
         """Where the step writes block bi's new weights (compute dtype), and how they move on
         (see the module docstring); rotates the rings by u.k."""
-        e = self.e
+        e = self.p
         k, u.k = u.k, u.k + 1
         numel = e.blocks[bi].numel
         if bi in e.layer_of:
@@ -246,8 +323,8 @@ class BlockStepper:
             return self.weight_ring[r][:numel], ("nvme", r)
         if not self.upload_ring:  # the device is the CPU, or offload="none"
             # weights that are views of the masters: the step updated them, nothing moves
-            kind = "shared" if e.shares_masters and u.weights_out is None else "direct"
-            return (u.weights_out or e.flat16)[bi], (kind, -1)
+            kind = "shared" if e.plan.shares_masters and u.weights_out is None else "direct"
+            return (u.weights_out or e.weights.flat16)[bi], (kind, -1)
         r = k % len(self.upload_ring)
         done = self.upload_done[r]
         if done is not None:
@@ -257,7 +334,7 @@ class BlockStepper:
         return self.upload_ring[r][:numel], ("ring", r)
 
     def _send(self, u: Update, bi: int, out16: torch.Tensor, where: tuple[str, int]) -> None:
-        e = self.e
+        e = self.p
         kind, r = where
         nbytes = out16.numel() * out16.element_size()
         if kind == "ring":
@@ -266,7 +343,8 @@ class BlockStepper:
             nbytes = (hi - lo) * out16.element_size()
             with on_stream(e.h2d_stream):
                 side_stream_delay(e.h2d_stream)  # test knob (offload/gpu.py): a late upload
-                (u.weights_out or e.flat16)[bi][lo:hi].copy_(out16[lo:hi], non_blocking=True)
+                out = (u.weights_out or e.weights.flat16)[bi]
+                out[lo:hi].copy_(out16[lo:hi], non_blocking=True)
                 ev = host_event()
                 ev.record(e.h2d_stream)
             self.upload_done[r] = ev
