@@ -8,28 +8,25 @@ converts again). A preset has no checkpoint to quantize: its seeded weights are 
 one, exactly as runners.infer does for a preset (the same directory, the same values). The
 engine streams the blocks as stored (offload/stream/frozen.py, QuantizedSource).
 
-Also here: the blocks' content digest (the base fingerprint of a QLoRA run: the engine never
-reads the quantized layers through the source, so they are hashed from their files, once per
-conversion, the digest kept beside the blocks), and the dequantized base tensors that --merge
-folds the adapters into (PEFT merges QLoRA into the dequantized 16-bit base).
+Also here: the blocks' digest (the base fingerprint of a QLoRA run: the engine never reads the
+quantized layers through the source; every tensor's CRC-32C, against which each read of the
+blocks is checked), and the dequantized base tensors that --merge folds the adapters into (PEFT
+merges QLoRA into the dequantized 16-bit base).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from types import SimpleNamespace
 
 import torch
 
-from nvme.format import SafetensorsFile, write_json_atomic
+from nvme.format import SafetensorsFile
 from offload.models.quantized import (PROJECTIONS, QuantizedBlocks, block_file, default_cache_root,
                                       projection_specs)
 from runners.common import dtype_label
 
-DIGEST_FILE = "fingerprint.json"  # beside the blocks: {"key": cache key, "digest": content}
-READ_CHUNK = 16 << 20
 
 
 def cache_root(cache_dir: str | None) -> str:
@@ -68,22 +65,17 @@ def convert(args, model_cfg, source, root: str, dtype: torch.dtype):
 
 
 def blocks_digest(blocks: QuantizedBlocks) -> str:
-    """A digest of every block file's bytes, computed once per conversion (kept in the blocks'
-    directory under their cache key): the quantized layers' part of the base fingerprint."""
-    path = os.path.join(blocks.path, DIGEST_FILE)
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        if saved.get("key") == blocks.key and isinstance(saved.get("digest"), str):
-            return saved["digest"]
-    except (OSError, ValueError):
-        pass  # absent or damaged: hash again
+    """The quantized layers' part of the base fingerprint: a digest of every block tensor's
+    CRC-32C as its file carries it. Every read of those bytes (the streamer's, the device
+    load's) is checked against the same CRCs (offload/models/quantized.py QuantizedBlocks.ranges),
+    so the run computes with exactly the bytes this digest names: a damaged block stops the run
+    at its first read, a block rewritten whole (bytes and CRCs) changes the digest and a resume
+    refuses it. Nothing is read back from a file of its own (a digest kept beside the blocks
+    would vouch for bytes it never saw)."""
     digest = hashlib.blake2b(digest_size=12)
     for i in range(len(blocks.specs)):
-        with open(block_file(blocks.path, i), "rb") as f:
-            while chunk := f.read(READ_CHUNK):
-                digest.update(chunk)
-    write_json_atomic(path, {"key": blocks.key, "digest": digest.hexdigest()})
+        for r in blocks.ranges(i):
+            digest.update(f"{i}:{r.name}:{r.nbytes}:{r.checksum[0]}:{r.checksum[1]:08x};".encode())
     return digest.hexdigest()
 
 

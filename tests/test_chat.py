@@ -110,10 +110,13 @@ def test_interactive_cli_two_turns(smollm2_gguf, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "runners.infer", "--model", smollm2_gguf, "--interactive",
          "--max-new-tokens", "24", "--max-context", "256", "--output-json", str(out)],
-        input="What is the capital of France?\nAnd of Italy?\n/exit\n", capture_output=True,
-        text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.strip()]
+        # a line that is not UTF-8 between the turns: said, and the session goes on
+        input=b"What is the capital of France?\n\xff\xfe oops\nAnd of Italy?\n/exit\n",
+        capture_output=True, cwd=ROOT, timeout=300)
+    stdout, stderr = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, stderr
+    assert "error: that line is not UTF-8 text (byte 1); type it again" in stderr
+    lines = [line for line in stdout.splitlines() if line.strip()]
     assert "Paris" in lines[0] and "Rome" in lines[1]
     turns = json.loads(out.read_text())["transcript"]
     assert len(turns) == 2 and turns[1]["fed_tokens"] < turns[1]["prompt_tokens"]

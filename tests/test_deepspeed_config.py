@@ -197,3 +197,33 @@ def test_runner_takes_batch_sizes_from_the_config(tmp_path, capsys):
     assert "note: DeepSpeed config: zero_optimization.overlap_comm has no effect here" in err
     assert finetune.main(["--config", str(path), "--batch-size", "8", "--dry-run"]) == 2
     assert "disagree with --config" in capsys.readouterr().err
+
+
+def test_the_runner_resolves_a_config_file_once_and_says_where_each_value_came_from(tmp_path, capsys):
+    """`--config {}` kept the library's defaults (bf16, lr 0.001, no clipping) over the runner's;
+    "auto" clipping resolved to 0, not the runner's 1.0; a key given twice was accepted (last
+    wins). Now: what the file leaves out is the runner's default, "auto" is what the runner
+    would choose, a flag wins over the file, duplicates are refused, and the banner names each
+    value's source."""
+    from runners import finetune
+
+    def banner(config: dict | str, *flags: str) -> tuple[int, str, str]:
+        path = tmp_path / "c.json"
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+        rc = finetune.main(["--config", str(path), "--dry-run", *flags])
+        out, err = capsys.readouterr()
+        line = next((ln for ln in out.splitlines() if ln.startswith("  config ")), "")
+        return rc, line, err
+
+    rc, line, _ = banner({})
+    assert rc == 0
+    for value in ("dtype fp32 (default)", "lr 0.003 (default)", "grad_clip 1.0 (default)",
+                  "offload cpu (default)"):
+        assert value in line, line
+    rc, line, _ = banner({"gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                          "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+    assert rc == 0 and "grad_clip 1.0 (file)" in line and "lr 0.003 (file)" in line, line
+    rc, line, _ = banner({"lr": 1e-4, "grad_clip": 0.5}, "--lr", "2e-4")
+    assert rc == 0 and "lr 0.0002 (flag)" in line and "grad_clip 0.5 (file)" in line, line
+    rc, _, err = banner('{"lr": 1e-4, "dtype": "fp32", "lr": 2e-4}')
+    assert rc == 2 and "the key 'lr' is given twice" in err, err

@@ -169,3 +169,15 @@ def test_tokenizer_absent_or_broken(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_non_finite_logits_end_generation_in_one_line():
+    """An adapter scaled by 1e30 (or damaged weights) made logits inf/nan and generation went on
+    emitting <unk> with exit 0: now the first such step ends it, greedy or sampled."""
+    torch.manual_seed(0)
+    model = build_model(preset("tiny"), device="cpu")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e38).mul_(1e38)  # as an adapter's huge scale does: overflow
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=1)):
+        with pytest.raises(GenerationError, match=r"inf/nan logits .*lora_alpha / r"):
+            generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=4, sampling=sampling)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -151,10 +154,18 @@ def _tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return {k: (0.05 * v).astype(np.float32) for k, v in out.items()}
 
 
-def write_gguf(path, qtype: str, layers: int = LAYERS, tensors: dict | None = None) -> dict[str, np.ndarray]:
-    """A tiny llama GGUF whose matrices are stored as `qtype`; returns the values a correct reader
-    must produce (the gguf package's own dequantization of what was stored)."""
+def write_gguf(path, qtype: str, layers: int = LAYERS, tensors: dict | None = None,
+               tokenizer: bool = False) -> dict[str, np.ndarray]:
+    """A tiny llama GGUF whose matrices are stored as `qtype` (with `tokenizer`, a byte-level BPE
+    vocabulary of single characters, so it converts and runs); returns the values a correct
+    reader must produce (the gguf package's own dequantization of what was stored)."""
     w = gguf.GGUFWriter(str(path), "llama")
+    if tokenizer:
+        from tokenizers import pre_tokenizers
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet())[:VOCAB])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -277,3 +288,67 @@ def test_runners_report_a_damaged_gguf_in_one_line(smollm2_gguf, tmp_path, capsy
         assert len(err) == 1 and "cut.gguf: cannot be read as GGUF" in err[0] and "download it again" in err[0], err
         # named from the header's tensor table before the slow metadata parse: what is missing
         assert "the file is 3000000 bytes, its tensors end at byte" in err[0], err
+
+
+def test_the_conversion_cache_is_keyed_by_content_and_checked_on_read(tmp_path, capsys, monkeypatch):
+    """Another GGUF at the same path with the same size and modification time converts anew (the
+    key is its content, not name + size + mtime); a damaged byte in the converted cache is
+    refused on read in one line that says to delete the cache (never computed with); two runs
+    converting the same file take turns."""
+    from nvme.format import held_lock
+    from offload.models import CheckpointError, CheckpointReader
+    from offload.models.gguf import converted_dir, gguf_checkpoint_dir
+    from runners.common import run_main
+    from runners.infer import main as infer_main
+    path, cache = tmp_path / "m.gguf", str(tmp_path / "cache")
+    monkeypatch.setenv("OFFLOAD_CACHE", cache)  # where the runner's conversions go
+    write_gguf(path, "F32", tensors=_tensors(0), tokenizer=True)
+    first = gguf_checkpoint_dir(str(path), torch.float32, cache)
+    st = os.stat(path)
+    expected = write_gguf(path, "F32", tensors=_tensors(1), tokenizer=True)  # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    second = gguf_checkpoint_dir(str(path), torch.float32, cache)
+    assert second != first
+    with CheckpointReader(second) as r:
+        got = r.read("model.norm.weight")
+    assert torch.equal(got, torch.from_numpy(expected["output_norm.weight"]))
+    # a byte of the cache's weights damaged: refused on read, and by the runner in one line
+    shard = os.path.join(second, "model.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+    with CheckpointReader(second) as r, pytest.raises(CheckpointError, match="fails its checksum"):
+        r.read_tensors_into({n: torch.empty(loc.shape, dtype=loc.dtype) for n, loc in r.locations.items()})
+    assert run_main(infer_main, ["--model", str(path), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                                 "--offload-dir", str(tmp_path / "off")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "fails its checksum" in err[-1] and "delete its directory and run again" in err[-1], err
+    # a second conversion of a file another process is converting waits for it
+    other = tmp_path / "n.gguf"
+    write_gguf(other, "F32", tensors=_tensors(2), tokenizer=True)
+    target = converted_dir(str(other), torch.float32, cache)
+    script = (f"import torch; from offload.models.gguf import gguf_checkpoint_dir; "
+              f"print(gguf_checkpoint_dir({str(other)!r}, torch.float32, {cache!r}))")
+    with held_lock(target + ".lock", "test", 5):  # as a converting process holds it
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
+        assert child.poll() is None and not os.path.exists(target)  # waiting, not converting
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and "is converting" in err, err
+    assert out.strip() == target and os.path.isfile(os.path.join(target, "config.json"))
+
+
+def test_a_gguf_holding_nan_is_named_as_the_source_of_the_fault(tmp_path):
+    """A NaN in the GGUF's weights: the GGUF is named as damaged (it was reported as a failed
+    save into the cache's temporary path) and nothing is left in the cache."""
+    tensors = _tensors(0)
+    tensors["blk.1.ffn_up.weight"][3, 5] = np.nan
+    write_gguf(tmp_path / "nan.gguf", "F32", tensors=tensors, tokenizer=True)
+    with pytest.raises(GGUFError, match=r"nan.gguf: tensor 'model.layers.1.mlp.up_proj.weight' "
+                                        r"holds inf/nan values"):
+        gguf_checkpoint_dir(str(tmp_path / "nan.gguf"), torch.float32, str(tmp_path / "cache"))
+    assert [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")] == []

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from nvme.format import read_header, write_file
+from nvme.format import CHECKSUM_KEYS, WRITE_CHECKSUM, read_header, write_file
 from offload.models import (CheckpointError, CheckpointReader, ModelConfig, build_model, load_model,
                             materialize_block, materialize_non_block, release_block, save_pretrained)
 
@@ -99,7 +99,10 @@ def test_our_writer_loads_in_transformers(max_shard_bytes: int | None, tmp_path)
     for f in files:
         if f.endswith(".safetensors"):
             infos, meta = read_header(tmp_path / "out" / f)
-            assert meta == {"format": "pt"}
+            # transformers' "format", and each tensor's CRC-32C (checked when we read it back)
+            key = CHECKSUM_KEYS[WRITE_CHECKSUM]
+            assert meta["format"] == "pt" and set(meta) == {"format", key}
+            assert set(json.loads(meta[key])) == set(infos)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(back) is transformers.Qwen2ForCausalLM
     ids = torch.randint(0, SMALL["vocab_size"], (2, 16))

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -166,3 +167,19 @@ def test_a_run_faster_than_its_floor_prints_no_percentage_above_100(capsys):
             assert "disk-bound at 2.00 GB/s" in err  # 1 GB per step in 0.5 s
         else:
             assert m["percent_of_floor"] == 50.0 and "50% of floor" in err
+
+
+def test_two_runs_generating_one_preset_into_one_offload_dir_take_turns(tmp_path):
+    """Two runs writing the same preset's random weights into one --offload-dir: the first died
+    on the other's temporary file. The second now waits for the first (saying so) and reuses
+    what it wrote."""
+    from nvme.format import held_lock
+    target = tmp_path / "tiny-seed0-fp32"
+    cmd = [sys.executable, "-m", "runners.infer", "--model", "tiny", "--offload-dir", str(tmp_path),
+           "--prompt-ids", "1,2", "--max-new-tokens", "2", "--probe-seconds", "0"]
+    with held_lock(str(target) + ".lock", "test", 5):  # as a run writing them holds it
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(4)
+        assert child.poll() is None and not (target / "config.json").exists()
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and "is writing" in err and (target / "config.json").exists(), err

@@ -144,3 +144,27 @@ def test_non_atomic_write_and_unsupported_dtype(tmp_path):
     with pytest.raises(FormatError, match="no safetensors name"):
         write_file(tmp_path / "c.safetensors", {"c": torch.ones(2, dtype=torch.complex64)})
     assert not os.path.exists(tmp_path / "c.safetensors")
+
+
+def test_tensor_checksums_are_verified_on_read_with_either_crc(tmp_path, monkeypatch):
+    """write_file(checksums=True) records each tensor's CRC in the metadata (CRC-32C, or zlib's
+    CRC-32 where the crc32c package is missing: the GPU machine); every whole-tensor read checks
+    it; a damaged byte is refused; a CRC-32C file where the package is missing says to install it."""
+    import nvme.format as fmt
+    for kind in ("crc32c", "crc32"):
+        monkeypatch.setattr(fmt, "WRITE_CHECKSUM", kind)
+        path = tmp_path / f"{kind}.safetensors"
+        values = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+        fmt.write_file(path, values, {"format": "pt"}, checksums=True)
+        infos, meta = fmt.read_header(path)
+        assert set(meta) == {"format", fmt.CHECKSUM_KEYS[kind]}
+        with fmt.SafetensorsFile(path) as f:
+            assert f.checksum_kind == kind and torch.equal(f.read("a"), values["a"])
+        with open(path, "r+b") as f:
+            f.seek(infos["a"].offset + 1000)
+            f.write(b"\x7f")
+        with fmt.SafetensorsFile(path) as f, pytest.raises(fmt.FormatError, match="'a' fails its checksum"):
+            f.read("a")
+    monkeypatch.setattr(fmt, "_crc_func", lambda kind: None if kind == "crc32c" else __import__("zlib").crc32)
+    with pytest.raises(fmt.FormatError, match="pip install crc32c"):
+        fmt.SafetensorsFile(tmp_path / "crc32c.safetensors")

@@ -4,8 +4,10 @@ projection weights are the dequantized codes; GGUF tensors taken as they are; th
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -248,3 +250,37 @@ def test_real_model_quality_and_gguf_tensors_taken_as_they_are(smollm2_gguf, smo
                     want = reader.read(f"model.layers.0.{proj}.weight", torch.float32)
                     deq = dequantize(parts, QuantSpec(4, 32), want.shape[1], torch.float32)
                     assert torch.equal(deq, want), (d, proj)
+
+
+def test_a_damaged_or_stale_quantized_cache_is_never_computed_with(ckpt, tmp_path, capsys):
+    """3000 bytes overwritten in a cached int8 block: every tier refuses it in one line at its
+    first read (it gave different tokens and exit 0); the cache key is the source's content, so
+    another checkpoint at the same path with the same size and mtime converts anew."""
+    argv = ["--model", "tiny", "--offload-dir", tmp_path, "--quantize", "int8", "--max-new-tokens",
+            "3", "--ignore-eos", "--probe-seconds", "0"]
+    rc, err = _infer([*argv, "--weights", "nvme"], capsys)
+    assert rc == 0, err
+    blocks = [p for p in glob.glob(str(tmp_path / "**" / "block_00001.safetensors"), recursive=True)]
+    assert len(blocks) == 1
+    infos, _ = read_header(blocks[0])
+    start = max(infos.values(), key=lambda t: t.nbytes).offset  # inside the largest codes
+    with open(blocks[0], "r+b") as f:
+        f.seek(start + 100)
+        f.write(os.urandom(3000))
+    for weights in ("nvme", "cpu", "device"):
+        rc, err = _infer([*argv, "--weights", weights], capsys)
+        line = err.strip().splitlines()[-1]
+        assert rc == 2 and "block_00001.safetensors" in line and "fails its checksum" in line, err
+    # the source replaced by other weights of the same size and modification time
+    own = str(tmp_path / "src")  # a copy: the module's checkpoint stays as it is
+    shutil.copytree(ckpt, own)
+    qdir = str(tmp_path / "q")
+    first = _convert(own, qdir, "int8")
+    src = os.path.join(own, "model.safetensors")
+    st = os.stat(src)
+    with CheckpointReader(own) as r:  # another model: every value scaled, written the same way
+        scaled = [(n, r.read(n) * 1.5) for n in r.locations]
+    save_pretrained(scaled, own, config=CFG)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(src).st_size == st.st_size
+    assert _convert(own, qdir, "int8").key != first.key

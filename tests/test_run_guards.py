@@ -299,3 +299,7 @@ def test_batches_without_a_target_are_skipped_and_counted(tmp_path, capsys):
     (out / "checkpoint" / "trainer_state.json").write_text(json.dumps(state))
     rc, err = finetune([*argv, "--resume", str(out)], capsys)
     assert rc == 2 and "data position" in err and "damaged or edited" in err, err
+    state["model_config"] = "LlamaForCausalLM"  # a string where an object belongs: one line
+    (out / "checkpoint" / "trainer_state.json").write_text(json.dumps(state))
+    rc, err = finetune([*argv, "--resume", str(out)], capsys)
+    assert rc == 2 and "'model_config' is not an object" in err, err

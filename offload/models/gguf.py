@@ -28,14 +28,16 @@ import hashlib
 import os
 import re
 import shutil
+import sys
 import threading
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
 
+from nvme.format import content_digest, held_lock
 from offload.models.config import ConfigError, ModelConfig, parameter_shapes
-from offload.models.hf import CheckpointError
+from offload.models.hf import CONVERTED_FROM_NAME, CheckpointError
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -420,7 +422,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
     from offload.models.hf import save_pretrained
 
     with GGUFReader(gguf_path) as reader:
-        files = reader.tokenizer_files()
+        files = {**reader.tokenizer_files(),
+                 CONVERTED_FROM_NAME: {"source": os.path.abspath(gguf_path), "dtype": str(dtype)}}
         parent = os.path.dirname(os.path.abspath(out_dir))
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".partial-{os.path.basename(out_dir)}-{os.getpid()}")
@@ -429,7 +432,11 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name in names:
-                yield name, reader.read(name, dtype)
+                t = reader.read(name, dtype)
+                if not bool(torch.isfinite(t).all()):  # the source's fault, not the cache's
+                    raise GGUFError(f"{gguf_path}: tensor {name!r} holds inf/nan values: the "
+                                    f"file is damaged or not a usable model; download it again")
+                yield name, t
 
         try:
             save_pretrained(tensors(), tmp, config=reader.config, dtype=dtype, extra_files=files)
@@ -442,31 +449,43 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
     return out_dir
 
 
+CONVERT_WAIT_S = 6 * 3600.0  # another process converting the same file: wait this long at most
+
+
 def _cache_key(path: str, dtype: torch.dtype) -> str:
-    """Size, mtime and the first MiB (header and metadata) identify the file's version."""
-    st = os.stat(path)
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{st.st_size}/{st.st_mtime_ns}/{dtype}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()
+    """The file's content (nvme.format.content_digest: size, header, sampled extents) and the
+    dtype converted to: another file at the same path, of the same size and mtime, converts anew."""
+    return hashlib.blake2b(f"{content_digest(path)}/{dtype}".encode(), digest_size=8).hexdigest()
 
 
-def gguf_checkpoint_dir(gguf_path: str, dtype: torch.dtype = torch.float32,
-                        cache_dir: str | None = None) -> str:
-    """The Hugging Face directory converted from `gguf_path` (cached; converted on first use)."""
-    if not is_gguf(gguf_path):
-        raise GGUFError(f"{gguf_path}: not a GGUF file")
+def converted_dir(gguf_path: str, dtype: torch.dtype = torch.float32,
+                  cache_dir: str | None = None) -> str:
+    """Where `gguf_path`'s conversion to `dtype` lives in the cache (converted or not)."""
     cache_dir = cache_dir or os.environ.get("OFFLOAD_CACHE") or \
         os.path.join(os.path.expanduser("~"), ".cache", "offload", "gguf")
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     dtype_name = str(dtype).replace("torch.", "")
-    out = os.path.join(cache_dir, f"{stem}-{_cache_key(gguf_path, dtype)}-{dtype_name}")
+    return os.path.join(cache_dir, f"{stem}-{_cache_key(gguf_path, dtype)}-{dtype_name}")
+
+
+def gguf_checkpoint_dir(gguf_path: str, dtype: torch.dtype = torch.float32,
+                        cache_dir: str | None = None) -> str:
+    """The Hugging Face directory converted from `gguf_path` (cached; converted on first use;
+    every read of it checked against the CRC-32C each tensor was written with)."""
+    if not is_gguf(gguf_path):
+        raise GGUFError(f"{gguf_path}: not a GGUF file")
+    out = converted_dir(gguf_path, dtype, cache_dir)
     marker = os.path.join(out, "config.json")
     if not os.path.isfile(marker):
-        convert_gguf(gguf_path, out, dtype)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        # two runs converting the same file take turns: the second finds it converted
+        with held_lock(out + ".lock", "offload-gguf-convert", CONVERT_WAIT_S, on_wait=lambda pid: print(
+                f"note: process {pid} is converting {gguf_path} into {out}; waiting for it",
+                file=sys.stderr)):
+            if not os.path.isfile(marker):
+                convert_gguf(gguf_path, out, dtype)
     return out
 
 
-__all__ = ["GGUFError", "GGUFReader", "SUPPORTED_TYPES", "convert_gguf", "gguf_checkpoint_dir",
+__all__ = ["GGUFError", "GGUFReader", "SUPPORTED_TYPES", "convert_gguf", "converted_dir", "gguf_checkpoint_dir",
            "is_gguf"]

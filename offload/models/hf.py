@@ -35,6 +35,9 @@ from offload.memory.tiers import all_finite
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# written into a directory this program converted from another file (a GGUF cache entry): what
+# it came from, so a damaged read can say the directory is a cache to delete, not a checkpoint
+CONVERTED_FROM_NAME = "offload_converted_from.json"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default shard size (5 GB)
 # config.json and the index are a few KB to a few MB; a bigger one is not a checkpoint's
@@ -42,7 +45,7 @@ MAX_JSON_BYTES = 64 << 20
 # Files besides the weights that loaders read from a checkpoint directory: checked on open like
 # the shards (regular files, no links out of the directory).
 AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-             "generation_config.json", "special_tokens_map.json")
+             "generation_config.json", "special_tokens_map.json", CONVERTED_FROM_NAME)
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                 torch.float64: "float64"}
 
@@ -269,14 +272,38 @@ class CheckpointReader:
             raise CheckpointError(f"{loc.path}: tensor {loc.stored_name!r} has shape {list(loc.shape)}, "
                                   f"the destination has {list(out.shape)}")
         shard = self.files[os.path.basename(loc.path)]
-        if out.device.type == "cpu" and out.dtype == loc.dtype and out.is_contiguous():
-            shard.read_into(loc.stored_name, out.detach())  # detach: a Parameter's own storage
-        else:
-            staging = torch.empty(loc.shape, dtype=loc.dtype)
-            shard.read_into(loc.stored_name, staging)
-            with torch.no_grad():
-                out.copy_(staging)
+        try:  # every read checked against the CRC-32C the file carries, where it carries one
+            if out.device.type == "cpu" and out.dtype == loc.dtype and out.is_contiguous():
+                shard.read_into(loc.stored_name, out.detach())  # detach: a Parameter's own storage
+            else:
+                staging = torch.empty(loc.shape, dtype=loc.dtype)
+                shard.read_into(loc.stored_name, staging)
+                with torch.no_grad():
+                    out.copy_(staging)
+        except FormatError as e:
+            raise CheckpointError(f"{e}; {self.damage_advice()}") from None
         return out
+
+    def checksum(self, name: str) -> tuple[str, int] | None:
+        """(CRC kind, value) tensor `name`'s shard carries for it, or None (a checkpoint written
+        by another program)."""
+        loc = self.location(name)
+        shard = self.files[os.path.basename(loc.path)]
+        crc = shard.checksums.get(loc.stored_name)
+        return None if crc is None else (shard.checksum_kind, crc)
+
+    def damage_advice(self) -> str:
+        """What to do about a damaged file of this directory: a conversion cache is deleted and
+        converted again from its source; a checkpoint is fetched or restored again."""
+        try:
+            with open(os.path.join(self.path, CONVERTED_FROM_NAME)) as f:
+                source = json.load(f).get("source")
+        except (OSError, ValueError, AttributeError):
+            source = None
+        if isinstance(source, str):
+            return (f"{self.path} is a cache converted from {source}: delete it and run again "
+                    f"(it is converted anew)")
+        return "download or restore the checkpoint again"
 
     def read_tensors_into(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Fill several tensors, reading in file order."""
@@ -433,7 +460,7 @@ def _write_shards(source: StateSource, expected: dict[str, tuple[int, ...]], pat
         nonlocal current, current_bytes
         if current:
             tmp = os.path.join(path, f".partial-{len(shards):05d}.safetensors")
-            write_file(tmp, current, metadata, atomic=True)
+            write_file(tmp, current, metadata, atomic=True, checksums=True)  # verified on read
             shards.append((tmp, list(current), current_bytes))
             current, current_bytes = {}, 0
 

@@ -7,11 +7,13 @@ offload/quant/matmul.py the matmul). The layers are converted once, block by blo
 
     <cache>/quant/<model>-<key>/block_00000.safetensors ... manifest.json
 
-`key` hashes the source's identity (config, and each weight file's name, size and mtime) and the
-settings (bits, group size, compute dtype, format version), so a changed checkpoint or setting
-converts again and never reuses stale codes. Each block file is written atomically and carries
-the key in its metadata: a conversion killed half way keeps the blocks it finished. The manifest
-(written last, atomically) lists every projection's spec and every block's bytes.
+`key` hashes the source's content (the config, and each weight file's size, header and sampled
+extents: nvme.format.content_digest) and the settings (bits, group size, compute dtype, format
+version), so a changed checkpoint or setting converts again and never reuses stale codes. Each
+block file is written atomically, carries the key in its metadata and each tensor's CRC-32C,
+checked on every read of it (a damaged cache is refused, never computed with): a conversion
+killed half way keeps the blocks it finished. The manifest (written last, atomically) lists
+every projection's spec and every block's bytes.
 
 A block file holds its tensors ordered by element size, widest first (fp32/16-bit norms and
 biases, fp16 scales, then the 1-byte codes), so that every tensor starts on a multiple of its
@@ -36,14 +38,15 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from nvme.format import FormatError, read_header, write_file, write_json_atomic
+from nvme.format import (FormatError, content_digest, read_header, stored_checksums, write_file,
+                         write_json_atomic)
 from nvme.io import IOEngine
 from offload.memory.layout import TensorRange
 from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix
 from offload.quant.matmul import check_kernels, quant_linear
 from offload.quant.format import QuantError, QuantSpec, from_gguf, packed_bytes, quantize
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each block file carries its tensors' CRC-32C (verified on every read)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 QUANT_MODES = ("int8", "int4")
@@ -149,12 +152,13 @@ def quantize_layers(model: nn.Module, specs: Sequence[dict[str, QuantSpec]], dty
 
 # ---- conversion into the cache --------------------------------------------------------------
 def source_identity(paths: Sequence[str], config: ModelConfig) -> str:
-    """What a conversion depends on in its source: the config and each file's name/size/mtime."""
+    """What a conversion depends on in its source: the config and each weight file's content
+    (nvme.format.content_digest: size, header, sampled extents; not name, size and mtime, which
+    another checkpoint at the same path can share)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(json.dumps(config.to_hf(dtype="x"), sort_keys=True).encode())
     for p in sorted(paths):
-        st = os.stat(p)
-        h.update(f"{os.path.basename(p)}/{st.st_size}/{st.st_mtime_ns}".encode())
+        h.update(f"{os.path.basename(p)}/{content_digest(p)}".encode())
     return h.hexdigest()
 
 
@@ -203,8 +207,14 @@ class QuantizedBlocks:
 
     def ranges(self, layer: int) -> list[TensorRange]:
         """Block `layer`'s tensors as raw byte ranges (a byte block: dtype uint8)."""
-        infos, _ = read_header(block_file(self.path, layer))
-        return [TensorRange(n, block_file(self.path, layer), t.offset, t.nbytes, torch.uint8)
+        path = block_file(self.path, layer)
+        infos, meta = read_header(path)
+        kind, sums = stored_checksums(meta, path)  # every read of the range is checked against them
+        if set(sums) != set(infos):
+            raise QuantError(f"{path}: the block's tensors carry no complete set of CRC-32C values "
+                             f"(damaged, or written by another program): delete {self.path} and "
+                             f"run again (it is converted anew)")
+        return [TensorRange(n, path, t.offset, t.nbytes, torch.uint8, (kind, sums[n]))
                 for n, t in infos.items()]
 
 
@@ -259,7 +269,7 @@ def convert_blocks(path: str, key: str, cfg: ModelConfig, specs: list[dict[str, 
             if not _done(path, i, key):
                 dense, taken = source(i)
                 write_file(block_file(path, i), quantize_block(dense, specs[i], dtype, taken),
-                           metadata={"key": key, "layer": str(i)})
+                           metadata={"key": key, "layer": str(i)}, checksums=True)
             if progress is not None:
                 progress(i)
         sizes = [sum(t.nbytes for t in read_header(block_file(path, i))[0].values())

@@ -15,9 +15,11 @@ from offload.stream.streamer import BlockStreamer, TensorRange
 
 def checkpoint_ranges(reader, layer: int) -> list[TensorRange]:
     """Block `layer`'s tensors as byte ranges of the checkpoint's shards (names relative to the
-    layer), for the streamer to read in place: no conversion pass, no second copy on disk."""
+    layer), for the streamer to read in place: no conversion pass, no second copy on disk;
+    each with the CRC its shard carries for it (files this program wrote), checked on every read."""
     prefix = f"model.layers.{layer}."
-    return [TensorRange(loc.name[len(prefix):], loc.path, loc.offset, loc.nbytes, loc.dtype)
+    return [TensorRange(loc.name[len(prefix):], loc.path, loc.offset, loc.nbytes, loc.dtype,
+                        reader.checksum(loc.name))  # checked on every read where the file has one
             for loc in reader.block_locations(layer)]
 
 
