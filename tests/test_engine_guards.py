@@ -285,3 +285,57 @@ def test_blocks_without_gradients_under_the_delayed_update(mode, clip, tmp_path)
         assert max_rel_diff(engine.master_params(), ref_masters) <= 1e-6
     finally:
         engine.close()
+
+
+def test_a_saved_state_with_a_file_of_another_save_damage_or_nan_is_refused(tmp_path):
+    """Each block file of a saved state carries its tensors' CRCs and engine_state.json records
+    them: a block file copied in from an older save of the same run, a flipped byte, or a NaN
+    written with a fresh checksum are each refused on resume in one line (the NaN's message no
+    longer sends the user back to this same checkpoint)."""
+    import json
+    import shutil
+
+    from nvme.format import SafetensorsFile, read_header, write_file
+    model = MLP()
+    engine = offload.initialize(model, _cfg("cpu", tmp_path))
+    for k, batch in enumerate(mlp_batches(3)):
+        engine.backward(mlp_loss(model, batch))
+        engine.step()
+        engine.save_state(str(tmp_path / f"s{k}"))
+    engine.close()
+    block = "block-00001.safetensors"
+    assert json.load(open(tmp_path / "s2" / "engine_state.json"))["files"][block]
+
+    def resume(directory) -> None:
+        other = offload.initialize(MLP(), _cfg("cpu", tmp_path))
+        try:
+            other.load_state(str(directory))
+        finally:
+            other.close()
+
+    resume(tmp_path / "s2")  # as written: fine
+    cases = {}
+    for name in ("older", "flipped", "nan"):
+        cases[name] = tmp_path / name
+        shutil.copytree(tmp_path / "s2", cases[name])
+    shutil.copy(tmp_path / "s1" / block, cases["older"] / block)
+    infos, _ = read_header(cases["flipped"] / block)
+    with open(cases["flipped"] / block, "r+b") as f:
+        f.seek(infos["exp_avg"].offset + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with SafetensorsFile(cases["nan"] / block) as f:
+        tensors = {k: f.read(k) for k in f.tensors}
+    tensors["master"][3] = float("nan")
+    write_file(cases["nan"] / block, tensors, {"block": "x"}, checksums=True)
+    for name, msg in (("older", "not the file engine_state.json records"),
+                      ("flipped", "fails its checksum"), ("nan", "not the file engine_state.json records")):
+        with pytest.raises(StateError, match=msg):
+            resume(cases[name])
+    # a state saved before files were recorded: the NaN itself is named as damage
+    meta = json.load(open(cases["nan"] / "engine_state.json"))
+    del meta["files"]
+    (cases["nan"] / "engine_state.json").write_text(json.dumps(meta))
+    with pytest.raises(StateError, match="holds inf/nan values, which no save writes"):
+        resume(cases["nan"])

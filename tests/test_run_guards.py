@@ -303,3 +303,14 @@ def test_batches_without_a_target_are_skipped_and_counted(tmp_path, capsys):
     (out / "checkpoint" / "trainer_state.json").write_text(json.dumps(state))
     rc, err = finetune([*argv, "--resume", str(out)], capsys)
     assert rc == 2 and "'model_config' is not an object" in err, err
+
+
+def test_offload_auto_honours_the_host_budget_on_a_cpu_device(tmp_path, capsys):
+    """On a CPU device the device tier is host RAM: `--offload auto --cpu-memory 1MiB` chose
+    "all on the device" and used 250 MiB. The host budget now bounds both tiers there."""
+    rc, err = finetune(["--offload", "auto", "--cpu-memory", "1MiB", "--dry-run",
+                        "--output", str(tmp_path / "run")], capsys)
+    assert rc == 2 and "no offload configuration fits" in err and "host budget of 1.00 MiB" in err, err
+    rc, err = finetune(["--offload", "auto", "--cpu-memory", "8GiB", "--dry-run",
+                        "--output", str(tmp_path / "run")], capsys)
+    assert rc == 0, err

@@ -70,11 +70,14 @@ class TrainingPlan:
                                "lower buffer_count, or raise the host budget (--cpu-memory)")
         check_fits("host", self.total("host"), cfg.budget_bytes("host"), host_free_bytes(),
                    what, host_hint)
-        if self.device.type == "cpu":  # device and host are one RAM: both at once must fit
-            check_fits("host", self.total("device") + self.total("host"), None,
+        if self.device.type == "cpu":  # device and host are one RAM: both at once must fit it,
+            # and the host budget (--cpu-memory) bounds that RAM whichever tier a byte is in
+            check_fits("host", self.total("device") + self.total("host"), cfg.budget_bytes("host"),
                        host_free_bytes(), what + " (device and host tiers share the CPU's RAM)",
-                       delayed + ("a smaller model" if cfg.offload == "nvme" else
-                                  "use offload='nvme' or a smaller model"))
+                       delayed + ("a smaller model, or raise the host budget (--cpu-memory)"
+                                  if cfg.offload == "nvme" else
+                                  "use offload='nvme', a smaller model, or raise the host budget "
+                                  "(--cpu-memory)"))
         if cfg.offload == "nvme" or cfg.offload_params == "nvme":  # what is written into nvme_dir
             check_fits("nvme", self.total("nvme") - self.nvme_in_place, cfg.budget_bytes("nvme"),
                        disk_free_bytes(cfg.nvme_dir or "."), what,

@@ -79,20 +79,33 @@ def save_state(parts: Parts, updates: Updates, path: AfterBackward, directory: s
     pending = path.pending
     os.makedirs(directory, exist_ok=True)
     zero = parts.zero
+    meta = state_meta(parts, updates, path)
     if zero is not None and zero.stage >= 1:
-        _save_shards(parts, state_meta(parts, updates, path), pending, directory)
+        _save_shards(parts, meta, pending, directory)
         return
     if zero is None or zero.rank == 0:  # stage 0: every rank holds the same whole state
+        files: dict[str, dict[str, int]] = {}  # file -> its tensors' CRCs: which save it is
         for bi, block in enumerate(parts.blocks):
             tensors = {k: parts.read_state(bi, k) for k in KINDS}
             check_finite(tensors, f"block {block.name}")
             if pending:
                 tensors["live"] = parts.weights.flat16[bi].cpu()
-            nvme_format.write_file(os.path.join(directory, f"block-{bi:05d}.safetensors"),
-                       tensors, {"block": block.name})
-        _write_meta(directory, state_meta(parts, updates, path))
+            name = f"block-{bi:05d}.safetensors"
+            files[name] = _write_checked(os.path.join(directory, name), tensors, {"block": block.name})
+        _write_meta(directory, {**meta, "files": files})
     if zero is not None:
         zero.barrier()  # nobody goes on before the state is complete
+
+
+def _write_checked(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, int]:
+    """One block file, each tensor's CRC in its metadata (checked on every read); returns the
+    CRCs, which engine_state.json records per file: a file of another save (an older one of the
+    same run, or another run's) mixed into the directory is refused on resume. Content, not a
+    random id: the same state saved twice is the same bytes (the chaos campaigns compare them)."""
+    sums = {k: nvme_format.crc_of(t.contiguous(), nvme_format.WRITE_CHECKSUM) for k, t in tensors.items()}
+    key = nvme_format.CHECKSUM_KEYS[nvme_format.WRITE_CHECKSUM]
+    nvme_format.write_file(path, tensors, {**metadata, key: json.dumps(sums, separators=(",", ":"))})
+    return sums
 
 
 def _write_meta(directory: str, meta: dict[str, Any]) -> None:
@@ -111,6 +124,7 @@ def _save_shards(parts: Parts, meta: dict[str, Any], pending: bool, directory: s
     (stages 1-2) whose weights in use each rank saves its part of."""
     zero = parts.zero
     bad = None
+    files: dict[str, dict[str, int]] = {}  # this rank's shard files -> their tensors' CRCs
     for bi, block in enumerate(parts.blocks):
         lo, hi = parts.owned(bi)
         if hi <= lo:
@@ -123,15 +137,18 @@ def _save_shards(parts: Parts, meta: dict[str, Any], pending: bool, directory: s
         except NonFiniteError as e:
             bad = e
             break
-        nvme_format.write_file(os.path.join(directory, _shard_file(bi, zero.rank)), tensors,
-                               {"block": block.name, "lo": str(lo), "hi": str(hi)})
+        files[_shard_file(bi, zero.rank)] = _write_checked(
+            os.path.join(directory, _shard_file(bi, zero.rank)), tensors,
+            {"block": block.name, "lo": str(lo), "hi": str(hi)})
     if zero.any_rank(bad is not None):
         raise bad or NonFiniteError("another rank's optimizer state holds inf/nan values; not "
                                     "saving (the last checkpoint stays as it was)")
+    every = zero.gather_objects(files)  # every rank's files and CRCs, for the json
     if zero.rank == 0:
         shards = [[[r, *zero.shards(b.numel).range(r)] for r in range(zero.world)
                    if _nonempty(zero.shards(b.numel).range(r))] for b in parts.blocks]
-        _write_meta(directory, {**meta, "shards": {"world": zero.world, "pieces": shards}})
+        _write_meta(directory, {**meta, "shards": {"world": zero.world, "pieces": shards},
+                                "files": {k: v for f in every for k, v in f.items()}})
     zero.barrier()
 
 
@@ -152,7 +169,7 @@ def load_state(parts: Parts, updates: Updates, path: AfterBackward, directory: s
     skips, pending = _check_meta(parts, meta, meta_path, directory)
     pieces = _pieces(parts, meta, meta_path, directory)
     for bi in range(len(parts.blocks)):
-        _load_block(parts, delayed, bi, pending, pieces[bi])
+        _load_block(parts, delayed, bi, pending, pieces[bi], meta.get("files"))
     if parts.gathers_weights:  # each rank loaded its shard of the 16-bit weights
         parts.zero.gather_weights(parts.weights.padded, parts.step_order())
     updates.load_state_dict({**meta, "slot_skips": skips})
@@ -252,7 +269,7 @@ def _pieces(parts: Parts, meta: dict, meta_path: str,
 
 
 def _load_block(parts: Parts, delayed: Delayed | None, bi: int, pending: bool,
-                pieces: list[tuple[str, int, int]]) -> None:
+                pieces: list[tuple[str, int, int]], files: dict | None) -> None:
     """Block bi's masters and moments over the range this process owns (its shard across
     ranks) from the saved pieces that overlap it, into the optimizer state, and its 16-bit
     weights (from the masters, or the saved live weights of a pending delayed update) into
@@ -266,12 +283,23 @@ def _load_block(parts: Parts, delayed: Delayed | None, bi: int, pending: bool,
         a, b = max(lo, plo), min(hi, phi)
         if a >= b:
             continue
-        try:
+        try:  # each tensor checked against its CRC where the file carries one
             with SafetensorsFile(path) as f:
+                # a state saved before files were recorded (files None) resumes unchecked here
+                if files is not None and files.get(os.path.basename(path)) != f.checksums:
+                    raise StateError(
+                        f"{path}: not the file engine_state.json records (its checksums differ): "
+                        f"the checkpoint mixes files of different saves or runs; resume from a "
+                        f"checkpoint as it was written")
                 saved = {k: f.read(k) for k in values}
                 saved_live = f.read("live") if pending else None
         except (FormatError, KeyError, OSError) as e:
             raise StateError(f"{path}: cannot load block {block.name!r}: {e}") from None
+        for kind, t in saved.items():  # a saved state is never non-finite: this one is damaged
+            if not all_finite(t):
+                raise StateError(f"{path}: the {kind} holds inf/nan values, which no save writes: "
+                                 f"this checkpoint is damaged; resume from another one (an "
+                                 f"earlier save) or start over")
         for kind, t in saved.items():
             if t.shape != (phi - plo,) or t.dtype != torch.float32:
                 raise StateError(f"{path}: {kind} has shape {tuple(t.shape)} {t.dtype}, "

@@ -45,6 +45,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -272,6 +273,13 @@ class ZeroGroup:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's small picklable `obj`, in rank order, on every rank (checkpoint records).
+        On a CPU-capable group: NCCL would pickle through device tensors."""
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.host_group or self.group)
+        return out
 
 
 class InOrder:
