@@ -123,7 +123,7 @@ class LoraRun:
 
     def frozen_plan_bytes(self, model: nn.Module, dtype: torch.dtype) -> tuple[list[int], int]:
         """(bytes of each layer's base, bytes of the base outside the layers), as the engine
-        counts them (Engine._check_budgets): 16-bit in the compute dtype, a quantized base's
+        counts them (train/build.py plan_model): 16-bit in the compute dtype, a quantized base's
         layers as stored. The meta model is frozen here as apply_lora freezes the real one (it
         serves only the plan and the banner)."""
         from offload.memory.blocks import find_block_list, frozen_bytes
