@@ -8,6 +8,7 @@ A tiny model (hidden 64, 4 layers), a small corpus, a few updates: seconds."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -291,3 +292,25 @@ def test_qlora_adapter_generates_in_infer_and_merges_as_peft(run, tmp_path, caps
     with open(tmp_path / "g.json") as f:
         assert json.load(f)["generated_ids"] == [want]
     assert len(os.listdir(os.path.join(cache, "quant"))) == 1  # inference reused the conversion
+
+
+def test_qlora_resume_on_a_damaged_base_is_refused(run, tmp_path, capsys):
+    """A QLoRA run stopped, a byte of its int4 base damaged in the cache, then resumed: the
+    resume was accepted (the base's digest was read back from a file beside the blocks); now
+    the first read of the damaged block stops the run in one line."""
+    from nvme.format import read_header
+    cache, out = str(tmp_path / "cache"), str(tmp_path / "q")
+    argv = _with(run["fast"], "--steps", "3") + QLORA + ["--cache-dir", cache, "--output", out]
+    assert main(argv + ["--stop-after", "1"]) == 0
+    blocks = sorted(glob.glob(os.path.join(cache, "quant", "*", "block_00000.safetensors")))
+    infos, _ = read_header(blocks[0])
+    codes = max(infos.values(), key=lambda t: t.nbytes)
+    with open(blocks[0], "r+b") as f:
+        f.seek(codes.offset + codes.nbytes // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    capsys.readouterr()
+    assert run_main(main, argv + ["--resume", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "block_00000.safetensors" in err[-1] and "fails its checksum" in err[-1], err

@@ -143,7 +143,8 @@ class FrozenBaseStreamer(BlockHooks):
                 if r is None:
                     raise StreamError(f"layer {li}: the stored base has no "
                                       f"{base.checkpoint_name(rel)!r}")
-                ranges.append(TensorRange(rel, r.path, r.offset, r.nbytes, r.dtype))
+                # the CRC the block file carries goes with it: every read of the base is checked
+                ranges.append(TensorRange(rel, r.path, r.offset, r.nbytes, r.dtype, r.checksum))
             renamed.append(ranges)
             nbytes = sum(r.nbytes for r in ranges)
             if tier == "device":  # loaded once, kept: counted like the other frozen weights there
