@@ -123,6 +123,13 @@ def stored_checksums(metadata: Mapping[str, str] | None, path: str) -> tuple[str
     return WRITE_CHECKSUM, {}
 
 
+def checksum_metadata(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, str], dict[str, int]]:
+    """(the metadata entry write_file(checksums=True) adds, the CRCs in it): each tensor's CRC
+    (WRITE_CHECKSUM) under that kind's CHECKSUM_KEYS key."""
+    sums = {n: crc_of(t.detach().to("cpu").contiguous(), WRITE_CHECKSUM) for n, t in tensors.items()}
+    return {CHECKSUM_KEYS[WRITE_CHECKSUM]: json.dumps(sums, separators=(",", ":"))}, sums
+
+
 def check_crc(path: str, name: str, got: int, want: int) -> None:
     """Raise FormatError when tensor `name`'s bytes (CRC `got`) are not the ones written (`want`)."""
     if got != want:
@@ -398,9 +405,7 @@ def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     tensor's CRC goes into the metadata (CHECKSUM_KEYS). Returns the file size."""
     path = os.fspath(path)
     if checksums:
-        sums = {n: crc_of(t.detach().to("cpu").contiguous(), WRITE_CHECKSUM) for n, t in tensors.items()}
-        metadata = {**(metadata or {}),
-                    CHECKSUM_KEYS[WRITE_CHECKSUM]: json.dumps(sums, separators=(",", ":"))}
+        metadata = {**(metadata or {}), **checksum_metadata(tensors)[0]}
     header = _header_bytes(tensors, metadata, align_bytes)
     target = f"{path}.tmp.{os.getpid()}" if atomic else path
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

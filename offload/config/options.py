@@ -332,12 +332,18 @@ def from_deepspeed(ds: Mapping[str, Any], *, auto: AutoValues | None = None,
     defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
     fields, said = deepspeed_fields(ds, defaults, auto)
     fields.update(overrides)
+    _say(said, notes, stacklevel=3)
+    return OffloadConfig(**fields)
+
+
+def _say(said: list[str], notes: list[str] | None, stacklevel: int = 4) -> None:
+    """The inert keys' lines into `notes`; a library caller who gave no list gets them as
+    warnings rather than not at all."""
     if notes is not None:
         notes.extend(said)
-    else:  # a library caller gave no list: say it through warnings rather than not at all
+    else:
         for line in said:
-            warnings.warn(line, stacklevel=2)
-    return OffloadConfig(**fields)
+            warnings.warn(line, stacklevel=stacklevel)
 
 
 MAX_CONFIG_FILE_BYTES = 16 << 20
@@ -384,8 +390,7 @@ def config_file_fields(path: str, *, auto: AutoValues | None = None,
             defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
             fields, said = deepspeed_fields(d, defaults, auto)
             OffloadConfig(**fields)  # checked as a whole
-            if notes is not None:
-                notes.extend(said)
+            _say(said, notes)
             return fields
         cfg = OffloadConfig.from_dict(d)
         return {k: getattr(cfg, k) for k in d}
@@ -397,10 +402,4 @@ def load_config_file(path: str, *, auto: AutoValues | None = None,
                      notes: list[str] | None = None) -> OffloadConfig:
     """A JSON file in our flat form or DeepSpeed's (see from_deepspeed for auto and notes); what
     it does not set takes OffloadConfig's defaults."""
-    d = _read_config_json(path)
-    try:
-        if isinstance(d, Mapping) and any(k in d for k in DEEPSPEED_TOP_KEYS):
-            return from_deepspeed(d, auto=auto, notes=notes)
-        return OffloadConfig.from_dict(d)
-    except ConfigError as e:
-        raise ConfigError(f"config file {path}: {e}") from None
+    return OffloadConfig(**config_file_fields(path, auto=auto, notes=notes))

@@ -102,9 +102,8 @@ def _write_checked(path: str, tensors: dict[str, torch.Tensor], metadata: dict[s
     CRCs, which engine_state.json records per file: a file of another save (an older one of the
     same run, or another run's) mixed into the directory is refused on resume. Content, not a
     random id: the same state saved twice is the same bytes (the chaos campaigns compare them)."""
-    sums = {k: nvme_format.crc_of(t.contiguous(), nvme_format.WRITE_CHECKSUM) for k, t in tensors.items()}
-    key = nvme_format.CHECKSUM_KEYS[nvme_format.WRITE_CHECKSUM]
-    nvme_format.write_file(path, tensors, {**metadata, key: json.dumps(sums, separators=(",", ":"))})
+    entry, sums = nvme_format.checksum_metadata(tensors)
+    nvme_format.write_file(path, tensors, {**metadata, **entry})
     return sums
 
 
