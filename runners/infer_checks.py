@@ -43,6 +43,8 @@ def check_flags(args) -> None:
         raise RunnerError("--max-context sizes the --interactive conversation's cache: add --interactive")
     if args.system is not None and not args.chat:
         raise RunnerError("--system is the system message of a chat: add --chat")
+    if args.thinking is not None and not args.chat:
+        raise RunnerError("--thinking switches the chat template's reasoning: add --chat")
     if not math.isfinite(args.temperature):
         raise RunnerError(f"--temperature must be a finite number >= 0, got {args.temperature}")
 
@@ -70,3 +72,17 @@ def check_interactive(args, tokenizer, cfg: ModelConfig) -> None:
     if args.max_new_tokens >= args.max_context:
         raise RunnerError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
                           f"in --max-context {args.max_context}")
+
+
+def chat_template_vars(args, tokenizer) -> dict:
+    """--thinking as the chat template's variables: {"enable_thinking": on/off}, what vLLM's
+    chat_template_kwargs and llama.cpp's --jinja pass to Qwen3's template. A template that does
+    not read enable_thinking renders the same either way: said in one line, and the run goes on
+    (vLLM likewise drops the chat_template_kwargs a template does not read)."""
+    if args.thinking is None:
+        return {}
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None and "enable_thinking" not in tokenizer.template_variables:
+        print(f"note: --thinking {args.thinking}: this model's chat template does not read "
+              f"enable_thinking, so the flag changes nothing", file=sys.stderr)
+    return {"enable_thinking": args.thinking == "on"}

@@ -1,6 +1,7 @@
 """Chat at inference on the real model: a multi-turn session keeps its KV cache between turns and
 gives the tokens `transformers` gives for the whole conversation; templates that re-render history
-stay exact; streamed weights give the same tokens; the CLI's --interactive / --system / --max-context."""
+stay exact (Qwen3's own, with its thinking switch); streamed weights give the same tokens; the
+CLI's --interactive / --system / --max-context / --thinking."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from offload.models import load_streamed
 from offload.data.tokenizer import Tokenizer
 from runners import infer
 from runners.common import run_main
+from runners.infer_checks import chat_template_vars, check_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN3 = os.path.join(ROOT, "tests", "fixtures", "templates", "qwen3.jinja")
 QUESTIONS = ["What is the capital of France?", "And the capital of Italy?"]
 
 
@@ -36,8 +39,8 @@ def reference(smollm2_hf):
     return AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32).eval()
 
 
-def _reference_reply(ref, tok: Tokenizer, messages, max_new: int = 24) -> list[int]:
-    ids = torch.tensor([tok.encode_chat(messages)])
+def _reference_reply(ref, tok: Tokenizer, messages, max_new: int = 24, template_vars=None) -> list[int]:
+    ids = torch.tensor([tok.encode_chat(messages, template_vars=template_vars)])
     with torch.no_grad():
         out = ref.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=tok.stop_ids())
     return out[0, ids.shape[1]:].tolist()
@@ -76,6 +79,51 @@ def test_a_template_that_rerenders_history_stays_exact(real, reference, smollm2_
     kept = common_prefix(counting.encode_chat(messages[:1]), counting.encode_chat(messages))
     assert 0 < kept < 10 and second.fed_tokens == second.prompt_tokens - kept
     assert second.ids == _reference_reply(reference, counting, messages)
+
+
+def _with_template(tok: Tokenizer, path: str) -> Tokenizer:
+    """The model's tokenizer with another family's chat template (SmolLM2 is ChatML too)."""
+    files = tok.files()
+    with open(path, encoding="utf-8") as f:
+        config = {**files["tokenizer_config.json"], "chat_template": f.read()}
+    return Tokenizer(files["tokenizer.json"], config, files.get("generation_config.json"))
+
+
+def test_qwen3_template_with_thinking_off(real, reference):
+    """Qwen3's own template in the chat loop, thinking off: every prompt ends in the empty think
+    block, the next turn renders the earlier answer without one (the cache is cut back there) and
+    the tokens are transformers' for the conversation."""
+    model, tok = real
+    qwen = _with_template(tok, QWEN3)
+    off = {"enable_thinking": False}
+    session = ChatSession(model, qwen, max_context=512, template_vars=off)
+    first = session.reply(QUESTIONS[0], 16)
+    assert first.stopped and first.ids[-1] == qwen.token_id("<|im_end|>")
+    second = session.reply(QUESTIONS[1], 16)
+    messages = [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": QUESTIONS[1]}]
+    prompt = qwen.render_chat(messages, template_vars=off)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and prompt.count("<think>") == 1
+    assert second.prompt_tokens - second.fed_tokens < len(qwen.encode_chat(messages[:1], template_vars=off))
+    assert second.ids == _reference_reply(reference, qwen, messages, 16, off)
+
+
+def test_thinking_flag(smollm2_hf, capsys):
+    """--thinking reaches the prompts as enable_thinking; on a template that does not read it, one
+    note line says the flag changes nothing and the run goes on."""
+    qwen = _with_template(Tokenizer.from_dir(smollm2_hf), QWEN3)
+    args = infer.build_parser().parse_args(["--model", smollm2_hf, "--chat", "--prompt", QUESTIONS[0],
+                                            "--thinking", "off"])
+    check_flags(args)
+    args.template_vars = chat_template_vars(args, qwen)
+    assert args.template_vars == {"enable_thinking": False} and capsys.readouterr().err == ""
+    prompts = infer.read_prompts(args, qwen, qwen)  # (the tokenizer has the vocab_size read_prompts checks)
+    assert prompts == [qwen.encode_chat(QUESTIONS[0], template_vars={"enable_thinking": False})]
+    assert qwen.decode(prompts[0], skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+    assert run_main(infer.main, ["--model", smollm2_hf, "--chat", "--prompt", "hi", "--thinking", "on",
+                                 "--dry-run", "--probe-seconds", "0"]) == 0
+    assert ("note: --thinking on: this model's chat template does not read enable_thinking, so the "
+            "flag changes nothing") in capsys.readouterr().err.splitlines()
 
 
 def test_overflow_is_refused_and_the_conversation_kept(real):
@@ -127,6 +175,7 @@ def test_system_message_and_bad_flags(smollm2_hf, tmp_path, capsys):
     assert "Answer in French." in tok.decode(tok.encode_chat("Hi", system="Answer in French."),
                                              skip_special_tokens=False)
     for argv, msg in ((["--model", smollm2_hf, "--system", "x", "--prompt", "hi"], "add --chat"),
+                      (["--model", smollm2_hf, "--thinking", "off", "--prompt", "hi"], "add --chat"),
                       (["--model", smollm2_hf, "--max-context", "64"], "add --interactive"),
                       (["--model", smollm2_hf, "--interactive", "--prompt", "hi"], "reads the prompts from stdin"),
                       (["--interactive"], "needs a model whose tokenizer has a chat template"),

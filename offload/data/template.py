@@ -15,8 +15,11 @@ allocation, not in a MemoryError, OverflowError or RecursionError traceback:
 - anything else the template raises is one line too (`render` never lets it through).
 
 The environment otherwise matches transformers' apply_chat_template (trim_blocks, lstrip_blocks,
-loopcontrols, `tojson`, `raise_exception`, `strftime_now`), so honest templates render the same
-text byte for byte.
+loopcontrols, the `{% generation %}` tag, `tojson`, `raise_exception`, `strftime_now`, and `tools`
+/ `documents` defined as none), so honest templates render the same text byte for byte. Extra
+template variables (Qwen3's `enable_thinking`) are passed as transformers passes its keyword
+arguments: over the special tokens, beside `messages`; `template_variables` names the variables a
+template reads, so a caller can tell whether a switch means anything to it.
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 import time
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 TEMPLATE_SECONDS = 5.0  # a chat template renders in microseconds; a stranger's may try to hang
 TEMPLATE_MAX_CHARS = 1 << 24  # 16 M characters: far past any context window
+# Compiling is most of a render (~20 ms for Qwen3's template, against well under 1 ms to run it):
+# a template up to this size is compiled once and kept (the few a process uses)
+CACHED_TEMPLATE_CHARS = 1 << 20
 
 # widths and precisions in printf-style (%10.3s, %*s) and str.format ({:>10}, {0:{1}}) specs
 _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
@@ -95,22 +102,52 @@ def _bounded_filter(name: str, fn):
 
 
 @functools.lru_cache(maxsize=None)
+def _generation_tag():
+    """The `{% generation %}...{% endgeneration %}` tag: transformers marks the assistant's text
+    with it (for its assistant-token masks); rendering, it writes its body unchanged."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationTag
+
+
+@functools.lru_cache(maxsize=None)
 def _bounded_sandbox():
-    """The sandbox class with the bounds above (set `deadline` before rendering). Made once:
-    jinja2 is imported lazily."""
+    """The sandbox class with the bounds above (set `deadline` before rendering; it is per
+    thread, so one compiled template can render in several). Made once: jinja2 is imported
+    lazily."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "**", "%"])
-        deadline = float("inf")
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
+            self._render = threading.local()
             self.globals["range"] = self.bounded_range
             for name in ("center", "indent", "format", "replace", "batch", "slice", "wordwrap",
                          "truncate", "filesizeformat", "round"):
                 if name in self.filters:
                     self.filters[name] = _bounded_filter(name, self.filters[name])
+
+        @property
+        def deadline(self) -> float:
+            return getattr(self._render, "deadline", float("inf"))
+
+        @deadline.setter
+        def deadline(self, value: float) -> None:
+            self._render.deadline = value
 
         def bounded_range(self, *args):
             for i in safe_range(*args):
@@ -167,15 +204,11 @@ def _bounded_sandbox():
     return BoundedSandbox
 
 
-def render(template: str, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
-           special: Mapping[str, str]) -> str:
-    """`template` applied to `messages` with the special tokens' text; TemplateLimitError (one
-    line) on any bound or failure."""
-    try:
-        import jinja2
-    except ImportError:  # pragma: no cover - a declared dependency
-        raise TemplateLimitError("chat templates need the 'jinja2' package (pip install jinja2)") from None
+RESERVED = frozenset(["messages", "add_generation_prompt", "tools", "documents"])
 
+
+def _environment():
+    """A fresh bounded sandbox with transformers' settings and helpers."""
     def raise_exception(message: str) -> None:
         raise TemplateRaised(f"chat template: {message}")
 
@@ -186,16 +219,58 @@ def render(template: str, messages: Sequence[Mapping[str, str]], add_generation_
 
     # The environment settings transformers renders with, so whitespace matches byte for byte
     env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
-                             extensions=["jinja2.ext.loopcontrols"])
+                             extensions=[_generation_tag(), "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _compile(template: str):
+    """(environment, compiled template); kept for templates up to CACHED_TEMPLATE_CHARS."""
+    if len(template) > CACHED_TEMPLATE_CHARS:
+        env = _environment()
+        return env, env.from_string(template)
+    return _compile_cached(template)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_cached(template: str):
+    env = _environment()
+    return env, env.from_string(template)
+
+
+def template_variables(template: str) -> frozenset[str]:
+    """The names `template` reads from its context and does not set itself (`messages`,
+    `bos_token`, `enable_thinking`, ...); empty for a template that does not parse. Parsing runs
+    nothing of the template."""
     try:
-        compiled = env.from_string(template)
+        from jinja2 import meta
+        return frozenset(meta.find_undeclared_variables(_environment().parse(template)))
+    except Exception:  # noqa: BLE001 - a stranger's program; rendering it says what is wrong
+        return frozenset()
+
+
+def render(template: str, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+           special: Mapping[str, str], variables: Mapping[str, Any] | None = None) -> str:
+    """`template` applied to `messages` with the special tokens' text and the extra `variables`
+    (which win over a special token of the same name, as transformers' keyword arguments do; the
+    names in RESERVED are the renderer's own); TemplateLimitError (one line) on any bound or
+    failure."""
+    try:
+        import jinja2
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise TemplateLimitError("chat templates need the 'jinja2' package (pip install jinja2)") from None
+    clash = RESERVED.intersection(variables or {})
+    if clash:
+        raise TemplateLimitError(f"template variable {sorted(clash)[0]!r} is set by the renderer itself")
+    context = {**special, **(variables or {}), "messages": list(messages),
+               "add_generation_prompt": add_generation_prompt, "tools": None, "documents": None}
+    try:
+        env, compiled = _compile(template)
         env.deadline = time.monotonic() + TEMPLATE_SECONDS
         out, size = [], 0
-        for chunk in compiled.generate(messages=list(messages),
-                                       add_generation_prompt=add_generation_prompt, **special):
+        for chunk in compiled.generate(**context):
             size += len(chunk)
             env.check(size)
             out.append(chunk)

@@ -21,7 +21,8 @@ Without a tokenizer.json (presets with random weights, the built-in tiny model) 
 
 Chat templates are rendered as `transformers`' `apply_chat_template` renders them (same Jinja
 sandbox settings and helpers), so the text is byte-identical, and bounded in time, memory and
-recursion (offload/data/template.py).
+recursion (offload/data/template.py). Template variables beyond the messages (Qwen3's
+`enable_thinking`) are passed as `template_vars`, as transformers passes its keyword arguments.
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from offload.data.template import TemplateLimitError, render
+from offload.data.template import RESERVED, TemplateLimitError, render, template_variables
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 GENERATION_FILE = "generation_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 TEMPLATE_FILE = "chat_template.jinja"
-ROLES = ("system", "user", "assistant")
+# "tool" carries a tool's answer back (Qwen3's template renders it as a <tool_response>); the
+# template itself decides what a role means, or refuses it
+ROLES = ("system", "user", "assistant", "tool")
+# what a template variable may hold: the scalars a flag or a JSON config can give
+_VAR_TYPES = (bool, int, float, str, type(None))
 # a tokenizer file or config of a real checkpoint is at most tens of MB
 MAX_FILE_BYTES = 256 << 20
 
@@ -79,6 +84,25 @@ def check_messages(messages: Sequence[Message], where: str = "messages") -> list
             raise TokenizerError(f"{where}[{k}]: role {m['role'][:40]!r} is not one of {', '.join(ROLES)}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
+
+
+def check_template_vars(variables: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Extra chat template variables as a plain dict: identifier names other than the renderer's
+    own (messages, add_generation_prompt, tools, documents), scalar values."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, Mapping):
+        raise TokenizerError("template variables: expected a mapping of names to values")
+    for name, value in variables.items():
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise TokenizerError(f"template variable {str(name)[:40]!r}: a name must be an identifier "
+                                 f"not starting with '_'")
+        if name in RESERVED:
+            raise TokenizerError(f"template variable {name!r} is set by the renderer itself")
+        if not isinstance(value, _VAR_TYPES):
+            raise TokenizerError(f"template variable {name!r}: the value must be a boolean, number, "
+                                 f"string or null, not {type(value).__name__}")
+    return dict(variables)
 
 
 class ByteTokenizer:
@@ -141,6 +165,8 @@ class Tokenizer:
             self.eos_token = self._tok.id_to_token(self.eos_id)
         if self.bos_token is None and self.bos_id is not None:
             self.bos_token = self._tok.id_to_token(self.bos_id)
+        # (template, the names it reads), read off the template when first asked
+        self._template_variables: tuple[str, frozenset[str]] | None = None
         self.end_of_turn_id = self._end_of_turn() if self.chat_template else None
 
     @classmethod
@@ -229,8 +255,20 @@ class Tokenizer:
         return sorted(set(ids))
 
     # ---- chat ---------------------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages`, as transformers' apply_chat_template renders it."""
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (empty without one): whether a
+        switch such as `enable_thinking` means anything to this model."""
+        if self.chat_template is None:
+            return frozenset()
+        if self._template_variables is None or self._template_variables[0] != self.chat_template:
+            self._template_variables = (self.chat_template, template_variables(self.chat_template))
+        return self._template_variables[1]
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    template_vars: Mapping[str, Any] | None = None) -> str:
+        """The chat template applied to `messages`, as transformers' apply_chat_template renders it
+        (`template_vars` as its keyword arguments, e.g. {"enable_thinking": False})."""
         if self.chat_template is None:
             raise TokenizerError(f"{self.source}: this model has no chat template "
                                  f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
@@ -239,18 +277,21 @@ class Tokenizer:
         special.setdefault("bos_token", self.bos_token or "")
         special.setdefault("eos_token", self.eos_token or "")
         try:  # bounded: a template comes with a stranger's checkpoint (offload/data/template.py)
-            return render(self.chat_template, check_messages(messages), add_generation_prompt, special)
+            return render(self.chat_template, check_messages(messages), add_generation_prompt, special,
+                          check_template_vars(template_vars))
         except TemplateLimitError as e:
             raise TokenizerError(str(e)) from None
 
     def encode_chat(self, messages: Sequence[Message] | str, system: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True,
+                    template_vars: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation (or one user prompt), ready for the assistant to answer.
         The template writes its own special tokens, so none are added on top."""
         if isinstance(messages, str):
             messages = ([{"role": "system", "content": system}] if system else []) + \
                        [{"role": "user", "content": messages}]
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, template_vars),
+                           add_special_tokens=False)
 
     def _end_of_turn(self) -> int | None:
         """The special token the template writes right after an assistant's text, if any."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -59,7 +59,8 @@ class ChatSession:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, *, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  streamer: BlockStreamer | None = None, sampling: SamplingParams = SamplingParams(),
-                 stop_ids: Sequence[int] | None = None, system: str | None = None):
+                 stop_ids: Sequence[int] | None = None, system: str | None = None,
+                 template_vars: Mapping[str, Any] | None = None):
         if tokenizer.chat_template is None:
             raise GenerationError("a chat needs a tokenizer with a chat template")
         if max_context < 2:
@@ -70,6 +71,8 @@ class ChatSession:
         # [1, kv_heads, max_context, head_dim] per layer, allocated once for the conversation
         self.cache = KVCache(model.config, 1, max_context, device=self.device, dtype=dtype)
         self.system = system
+        # the chat template's extra variables, every turn (--thinking: {"enable_thinking": False})
+        self.template_vars = dict(template_vars or {})
         self.generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
         self.reset()
 
@@ -93,7 +96,8 @@ class ChatSession:
         if max_new_tokens < 1:
             raise GenerationError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         messages = self.messages + [{"role": "user", "content": user_text}]
-        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                         template_vars=self.template_vars)
         if len(ids) + max_new_tokens > self.cache.max_len:
             raise ChatOverflow(f"this turn needs {len(ids)} prompt + {max_new_tokens} new tokens, more "
                                f"than --max-context {self.cache.max_len}; /reset the conversation, ask "
