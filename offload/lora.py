@@ -38,9 +38,10 @@ from torch import nn
 from nvme.format import FormatError, SafetensorsFile, fsync_dir, write_file, write_json_atomic
 from offload.models.llama import param_seed, project
 
-# Short names accepted on the command line -> the attribute names of Llama-family projections.
-SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-                 "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# Short names accepted on the command line -> the attribute names of the families' projections
+# (PEFT's names: Phi-3 fuses q, k, v into qkv_proj and gate, up into gate_up_proj).
+SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "qkv": "qkv_proj", "o": "o_proj",
+                 "gate": "gate_proj", "up": "up_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 ALL_TARGETS = tuple(SHORT_TARGETS.values())
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the wrapped transformers model
@@ -243,6 +244,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0, *,
     if not found:
         raise LoraError(f"apply_lora: no module named {'/'.join(cfg.targets)} in this "
                         f"{type(model).__name__}; LoRA targets the decoder layers' projections")
+    present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    absent = [t for t in cfg.targets if t not in present]
+    if absent and set(cfg.targets) != set(ALL_TARGETS):  # "all" takes whichever the family has
+        have = [t for t in ALL_TARGETS if t in present]
+        raise LoraError(f"apply_lora: this model has no {', '.join(absent)} (its projections: "
+                        f"{', '.join(have)}; Phi-3 fuses q, k, v as qkv and gate, up as gate_up)")
     for name, base in found:  # all checked before the model is touched
         _features(base, name)
     model.requires_grad_(False)
@@ -322,7 +329,10 @@ def load_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *,
 def _check_matches(model: nn.Module, cfg: LoraConfig, action: str) -> None:
     """The model's adapters agree with cfg (rank, scaling, targets), or one line saying why not."""
     modules = lora_modules(model)
-    unused = set(cfg.targets) - {name.rpartition(".")[2] for name in modules}
+    targets = set(cfg.targets)
+    if targets == set(ALL_TARGETS):  # "all" takes whichever projections the family has
+        targets &= {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    unused = targets - {name.rpartition(".")[2] for name in modules}
     if unused:  # PEFT would wrap those too, with adapters that were never trained
         raise LoraError(f"{action}: the config targets {','.join(sorted(unused))} but the model has "
                         f"no adapter there; use the targets the adapters were made with")

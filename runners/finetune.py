@@ -48,7 +48,7 @@ def load_model(args: argparse.Namespace):
     """(model on meta, its config, the source that fills it block by block, tokenizer).
     A .gguf file is converted once into a Hugging Face directory in the cache (dequantized to
     fp32, block by block) and read from there like any checkpoint."""
-    from offload.models import CheckpointReader, build_model, preset, seeded_init
+    from offload.models import CheckpointReader, build_model, preset, norm_init_value, seeded_init
     from offload.data.tokenizer import ByteTokenizer, load_tokenizer
 
     path = resolve_checkpoint(args.model)
@@ -59,7 +59,7 @@ def load_model(args: argparse.Namespace):
         tokenizer = load_tokenizer(path) or ByteTokenizer()
     else:
         cfg = preset(args.model)
-        source = seeded_init(args.seed, cfg.initializer_range)
+        source = seeded_init(args.seed, cfg.initializer_range, norm_init_value(cfg))
         tokenizer = ByteTokenizer()
     if tokenizer.vocab_size > cfg.vocab_size:
         fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "

@@ -30,7 +30,7 @@ from offload import kernel_trust
 from offload.config import format_bytes, read_regular_file
 from offload.infer.generate import SamplingParams, check_prompts, generate
 from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
-                            num_block_params, num_params, parameter_shapes, preset, save_pretrained)
+                            norm_init_value, num_block_params, num_params, parameter_shapes, preset, save_pretrained)
 from offload.infer.plan import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
 from offload.models import kernels, load_streamed
@@ -41,7 +41,7 @@ from offload.data.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_args, add_device_args,
                             check_budget_flags, dtype_label, group_size_arg, note_unused_tensors,
                             run_main, select_device, select_dtype, writable_dir)
-from runners.infer_checks import check_flags, check_interactive, check_tokenizer
+from runners.infer_checks import chat_template_vars, check_flags, check_interactive, check_tokenizer
 from runners.infer_lora import add_adapter_arg, attach_adapter, check_adapter
 from runners.infer_quant import convert_quantized, quant_scratch, quant_source
 from runners.report import kernels_line
@@ -60,6 +60,8 @@ def build_parser() -> Parser:
                    help="a prompt as token ids (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     p.add_argument("--system", default=None, help="a system message before each --chat prompt")
+    p.add_argument("--thinking", choices=["on", "off"], help="--chat: the template's enable_thinking "
+                   "(Qwen3; vLLM's chat_template_kwargs): off answers without reasoning")
     p.add_argument("--interactive", action="store_true", help="a multi-turn chat on stdin (implies "
                    "--chat): replies stream as they are generated and the KV cache is kept between "
                    "turns; /reset starts over, /exit or end of input ends")
@@ -159,7 +161,7 @@ def _write_random(cfg: ModelConfig, path: str, seed: int, dtype: torch.dtype) ->
         for name, shape in tqdm(shapes.items(), desc="generating random weights", unit="tensor",
                                 file=sys.stderr):
             t = torch.empty(shape, dtype=torch.float32)
-            init_parameter_(name, t, seed, cfg.initializer_range)
+            init_parameter_(name, t, seed, cfg.initializer_range, norm_init_value(cfg))
             yield name, t.to(dtype)
 
     save_pretrained(tensors(), path, config=cfg, dtype=dtype, max_shard_bytes=1 << 30)
@@ -194,8 +196,8 @@ def read_prompts(args, tokenizer, cfg: ModelConfig) -> list[list[int]]:
                           "model lacks; give token ids with --prompt-ids 1,2,3")
     if args.chat and tokenizer is None:
         raise RunnerError("--chat needs a tokenizer.json with a chat template in the model directory")
-    prompts = [tokenizer.encode_chat(t, system=args.system) if args.chat else tokenizer.encode(t)
-               for t in texts]
+    prompts = [tokenizer.encode_chat(t, system=args.system, template_vars=args.template_vars)
+               if args.chat else tokenizer.encode(t) for t in texts]
     for spec in args.prompt_ids:
         try:
             prompts.append([int(x) for x in spec.replace(" ", "").split(",") if x])
@@ -244,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.lora = check_adapter(args.adapter, cfg)  # before anything is loaded (runners/infer_lora.py)
     tokenizer = None if is_random else load_tokenizer(path)
     check_tokenizer(tokenizer, cfg, path)
+    args.template_vars = chat_template_vars(args, tokenizer)
     if args.interactive:
         check_interactive(args, tokenizer, cfg)
     batches, context = _batches(args, tokenizer, cfg)
@@ -438,7 +441,8 @@ def _interactive(args, model, tokenizer, streamer, device, dtype, sampling, stop
     from offload.infer.chat import ChatOverflow, ChatSession
 
     session = ChatSession(model, tokenizer, max_context=args.max_context, device=device, dtype=dtype,
-                          streamer=streamer, sampling=sampling, stop_ids=stop, system=args.system)
+                          streamer=streamer, sampling=sampling, stop_ids=stop, system=args.system,
+                          template_vars=args.template_vars)
     transcript: list[dict] = []
     print(f"chat: {args.max_context} positions of context; /reset starts over, /exit ends",
           file=sys.stderr)

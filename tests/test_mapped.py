@@ -11,7 +11,7 @@ from torch import nn
 
 from nvme.swap import SwapStore
 from offload.memory import mapped
-from offload.models import llama
+from offload.models import llama, projections
 
 MiB = 1 << 20
 
@@ -53,7 +53,7 @@ def test_frozen_projection_over_a_mapped_weight(store, monkeypatch, dtype):
     """Forward and input gradient over a mapped weight equal the resident weight's
     (fp32: the chunked sum over 8192 outputs reassociates, so within 1e-5), and reading it a slice at a
     time keeps the resident set far below the weight's size."""
-    monkeypatch.setattr(llama, "FROZEN_GRAD_CHUNK_BYTES", 1 * MiB)
+    monkeypatch.setattr(projections, "FROZEN_GRAD_CHUNK_BYTES", 1 * MiB)
     torch.manual_seed(0)
     value = (torch.randn(8192, 2048) * 0.02).to(dtype)  # 32 or 64 MiB, vocabulary-head shaped
     layer = nn.Linear(2048, 8192, bias=False)
@@ -78,7 +78,7 @@ def test_frozen_projection_over_a_mapped_weight(store, monkeypatch, dtype):
 
 def test_frozen_projection_without_grad_reads_slices_too(store, monkeypatch):
     """Evaluation under no_grad takes the same sliced path (not nn.Linear over the whole map)."""
-    monkeypatch.setattr(llama, "FROZEN_GRAD_CHUNK_BYTES", 1 * MiB)
+    monkeypatch.setattr(projections, "FROZEN_GRAD_CHUNK_BYTES", 1 * MiB)
     value = torch.randn(4096, 1024)
     layer = nn.Linear(1024, 4096, bias=True)
     bias = layer.bias.detach().clone()

@@ -397,9 +397,9 @@ def test_frozen_16bit_projection_backward_on_the_cpu(monkeypatch):
     (torch's CPU bf16 product of that layout is pathologically slow): same forward bits as
     nn.Linear, the gradient within one bf16 rounding of the exact one, no weight gradient."""
     from offload.models.llama import project
-    from offload.models import llama
+    from offload.models import projections
     lin = torch.nn.Linear(64, 48, dtype=torch.bfloat16).requires_grad_(False)
-    monkeypatch.setattr(llama, "FROZEN_GRAD_CHUNK_BYTES", 4 * 64 * 7)  # 7 rows a chunk: 48 in 7
+    monkeypatch.setattr(projections, "FROZEN_GRAD_CHUNK_BYTES", 4 * 64 * 7)  # 7 rows a chunk: 48 in 7
     x = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True)
     x3 = x.view(1, 5, 64)
     y = project(lin, x3)

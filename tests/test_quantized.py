@@ -14,8 +14,9 @@ import torch
 
 from nvme.format import SafetensorsFile, read_header
 from offload.infer.generate import generate
-from offload.models import CheckpointReader, build_model, load_model, preset, save_pretrained
-from offload.models.quantized import (PER_CHANNEL, PROJECTIONS, QuantLinear, QuantSettings, block_file, cache_key,
+from offload.models import (CheckpointReader, build_model, load_model, preset, projection_names,
+                            save_pretrained)
+from offload.models.quantized import (PER_CHANNEL, QuantLinear, QuantSettings, block_file, cache_key,
                                       checkpoint_source, convert_blocks, load_quantized_streamed,
                                       projection_specs, quantized_block_bytes, source_identity)
 from offload.quant.format import QuantSpec, dequantize
@@ -55,7 +56,7 @@ def _dense_reference(ckpt: str, blocks) -> torch.nn.Module:
     model = load_model(ckpt)
     for i, layer in enumerate(model.model.layers):
         with SafetensorsFile(block_file(blocks.path, i)) as f:
-            for proj in PROJECTIONS:
+            for proj in projection_names(CFG):
                 spec = blocks.specs[i][proj]
                 lin = layer.get_submodule(proj)
                 names = ["qweight", "scales"] + (["mins"] if spec.bits == 4 else [])
@@ -84,7 +85,7 @@ def test_quantized_blocks_stream_through_every_tier_like_resident(ckpt, tmp_path
                                                       fetch_delay_s=0.005)
             try:
                 assert all(isinstance(m, QuantLinear) for layer in model.model.layers
-                           for m in (layer.get_submodule(p) for p in PROJECTIONS))
+                           for m in (layer.get_submodule(p) for p in projection_names(CFG)))
                 with torch.inference_mode():
                     outs = [model(ids) for _ in range(2)]  # the second pass reuses prefetched slots
                     toks = generate(model, [[3, 4, 5]], max_new_tokens=6, streamer=streamer).tokens

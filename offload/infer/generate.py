@@ -198,13 +198,24 @@ def _decode(model: LlamaForCausalLM, batch: _Batch, cache, tok: torch.Tensor, ro
     `max_new_tokens` were made: (steps, tokens made by rows still running)."""
     B, T = batch.ids.shape
     steps, decode_tokens = 0, 0
+    # LongRoPE (Phi-3): a forward reaching past the original context rotates with the long
+    # factors, so the cached keys (rotated with the short ones) are recomputed once, at the
+    # step that crosses, as transformers' generate does
+    switch = getattr(model.model.rotary, "switch_after", None)
+    fed: list[torch.Tensor] = []  # [B] per decode step, for that recompute
     while steps + 1 < max_new_tokens and not all(rows.finished):
         active = B - sum(rows.finished)
         feed = torch.where(torch.tensor(rows.finished), torch.full_like(tok, batch.pad), tok)  # [B]
+        fed.append(feed)
         length = T + steps + 1
-        logits = model(feed.view(B, 1).to(device),
-                       attention_mask=batch.mask[:, :length] if batch.padded else None,
-                       kv_cache=cache, last_only=True)
+        mask = batch.mask[:, :length] if batch.padded else None
+        if switch is not None and cache.length == switch < length:
+            cache.reset()
+            everything = torch.cat([batch.ids, torch.stack(fed, dim=1)], dim=1)  # [B, length]
+            logits = model(everything.to(device), attention_mask=mask, kv_cache=cache, last_only=True)
+        else:
+            logits = model(feed.view(B, 1).to(device), attention_mask=mask, kv_cache=cache,
+                           last_only=True)
         tok = next_tokens(logits[:, -1], sampling, generator)
         steps += 1
         decode_tokens += active

@@ -31,10 +31,14 @@ _BACKWARD_TOL = {torch.float32: 1e-4, torch.bfloat16: 2 ** -4, torch.float16: 2 
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           is_causal: bool, enable_gqa: bool) -> torch.Tensor:
+           is_causal: bool, enable_gqa: bool, scale: float | None = None) -> torch.Tensor:
     """F.scaled_dot_product_attention(q [B, nh, T, D], k/v [B, kvh, S, D], mask bool [B, 1, T, S]
-    or None), with the math backend on a CPU where the fused kernel failed this class's check."""
-    extra = {"enable_gqa": True} if enable_gqa else {}
+    or None, scale None = 1/sqrt(D)), with the math backend on a CPU where the fused kernel
+    failed this class's check (the scale is one multiply inside the same kernel, so a class is
+    checked at the default scale)."""
+    extra: dict = {"enable_gqa": True} if enable_gqa else {}
+    if scale is not None:
+        extra["scale"] = scale
     if q.device.type == "cpu":
         kind = "mask" if mask is not None else "causal" if is_causal else "none"
         shape_class = (q.shape[-1], str(q.dtype).removeprefix("torch."), enable_gqa)

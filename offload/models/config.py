@@ -1,15 +1,16 @@
-"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2), presets, parameter counts.
+"""Model configuration for every supported family, parameter shapes and counts.
 
 `ModelConfig` is the one typed description every other part of the system plans from: the
 planner sizes buffers from `parameter_shapes`, the checkpoint reader checks tensors against it,
-and `llama.py` builds modules from it. It reads and writes Hugging Face `config.json` dicts.
+and `llama.py` builds modules from it. One decoder serves every family; the fields below are
+the options a family switches on (Qwen3's q/k norms, Gemma's (1 + w) norms around attention
+and MLP, soft-capping, per-layer sliding windows and RoPE bases, GeGLU, the embedding scale;
+Phi-3's fused projections, partial rotation and LongRoPE). Reading and writing Hugging Face
+`config.json` per family lives in `families.py`; presets in `presets.py`.
 
-RoPE in config.json comes in two spellings. Real hub checkpoints (written by transformers 4.x)
-carry a top-level `rope_theta` plus an optional `rope_scaling` dict; transformers 5 writes one
-`rope_parameters` dict that holds `rope_theta` and `rope_type` together. transformers 5.23 reads
-both (a non-null `rope_scaling` wins over `rope_parameters`; `rope_theta` inside the dict wins
-over the top-level one). We read both with the same priority and write `rope_parameters` (what
-5.23 writes) plus `rope_theta`/`rope_scaling`, so a 4.x reader also gets the scaling right.
+Anything a config asks for that the decoder does not do is refused here in one line naming
+the key, never ignored: a checkpoint that loads with one option silently skipped (Qwen3's q/k
+norms) produces fluent-looking garbage.
 """
 
 from __future__ import annotations
@@ -19,27 +20,26 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-# architecture name in config.json -> model_type transformers expects next to it.
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-# RoPE variants whose frequencies are static (computed once from the config). "dynamic" and
-# "longrope" change their frequencies with the running sequence length and are refused.
+# the per-family rules and config.json spellings (families.py imports nothing from here)
+from offload.models.families import (ARCHITECTURES, ConfigError, check_family, config_fields_from_hf,
+                                     config_to_hf)
+
+# RoPE variants and the keys each requires. "longrope" switches between two static sets by the
+# forward's largest position (rope.py); "dynamic" rescales with the running length: refused.
 ROPE_TYPES: dict[str, tuple[str, ...]] = {  # rope_type -> keys it requires
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 _ROPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
     "linear": (), "llama3": (),
     "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    "longrope": ("factor", "attention_factor"),
 }
-
-
-class ConfigError(ValueError):
-    """A model configuration is invalid or unsupported; the message says which field and why."""
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with tanh-approximated GELU (Gemma)
+NORM_STYLES = ("llama", "gemma")  # w * norm(x).to(dtype)  |  (norm(x) * (1 + w)).to(dtype)
+LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -53,21 +53,36 @@ class ModelConfig:
     head_dim: int = 0  # 0 means hidden_size // num_attention_heads (resolved in __post_init__)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # None for plain RoPE, else {"rope_type": "linear"|"llama3"|"yarn", ...its parameters}
-    # (never containing rope_theta, which lives in its own field).
+    # None for plain RoPE, else {"rope_type": "linear"|"llama3"|"yarn"|"longrope", ...its
+    # parameters} (never containing rope_theta, which lives in its own field).
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     max_position_embeddings: int = 4096
     attention_bias: bool = False  # bias on q_proj, k_proj, v_proj (Qwen2: True)
     o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias puts one there too)
     mlp_bias: bool = False  # bias on gate/up/down_proj (Llama's mlp_bias)
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # Mistral: keys older than this many positions are masked
+    # keys older than this many positions are masked: on every layer (Mistral, Phi-3) or on the
+    # layers layer_types marks "sliding_attention" (Gemma 2/3, Qwen3 with use_sliding_window)
+    sliding_window: int | None = None
     architecture: str = "LlamaForCausalLM"
     initializer_range: float = 0.02  # std of the normal init of weight matrices
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     dtype: str | None = None  # the checkpoint's dtype name ("bfloat16"), informational
+    # ---- family options (defaults: the Llama block) --------------------------------------
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    norm_style: str = "llama"  # one of NORM_STYLES
+    sandwich_norms: bool = False  # Gemma: norms after attention and around the MLP as well
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size) in the compute dtype
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    layer_types: tuple[str, ...] | None = field(default=None, hash=False)  # per layer, LAYER_KINDS
+    rope_local_theta: float | None = None  # Gemma 3: sliding layers' RoPE base (no scaling)
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj
+    partial_rotary_factor: float = 1.0  # the fraction of each head's dimensions that rotates
 
     def __post_init__(self) -> None:
         if (self.head_dim == 0 and type(self.num_attention_heads) is int
@@ -75,6 +90,8 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         self.validate()
 
     # ---- validation -------------------------------------------------------------------------
@@ -112,19 +129,37 @@ class ModelConfig:
         if self.sliding_window is not None and (type(self.sliding_window) is not int
                                                 or self.sliding_window <= 0):
             raise ConfigError(f"sliding_window must be None or a positive integer, got {self.sliding_window!r}")
-        # Each architecture hard-wires its biases; a combination transformers cannot express
-        # would save a checkpoint that loads with silently different weights.
-        biases = (self.attention_bias, self.o_proj_bias, self.mlp_bias)
-        allowed = {"LlamaForCausalLM": {(False, False, False), (True, True, False),
-                                        (False, False, True), (True, True, True)},
-                   "MistralForCausalLM": {(False, False, False)},
-                   "Qwen2ForCausalLM": {(True, False, False)}}[self.architecture]
-        if biases not in allowed:
-            raise ConfigError(f"{self.architecture} cannot have (attention_bias, o_proj_bias, mlp_bias)"
-                              f" = {biases}; allowed: {sorted(allowed)}")
-        if self.sliding_window is not None and self.architecture != "MistralForCausalLM":
-            raise ConfigError(f"sliding_window is only supported for MistralForCausalLM, not {self.architecture}")
-        _check_rope_scaling(self.rope_scaling)
+        self._validate_family_options()
+        _check_rope_scaling(self)
+
+    def _validate_family_options(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.norm_style not in NORM_STYLES:
+            raise ConfigError(f"norm_style {self.norm_style!r} is not one of {NORM_STYLES}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (_is_number(value) and value > 0):
+                raise ConfigError(f"{name} must be null or a finite number > 0, got {value!r}")
+        if self.layer_types is not None:
+            if (not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_hidden_layers
+                    or any(t not in LAYER_KINDS for t in self.layer_types)):
+                raise ConfigError(f"layer_types must list one of {LAYER_KINDS} for each of the "
+                                  f"{self.num_hidden_layers} layers, got {self.layer_types!r}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("layer_types has sliding_attention layers but sliding_window is null")
+        factor = self.partial_rotary_factor
+        if not (_is_number(factor) and 0 < factor <= 1) or int(self.head_dim * factor) % 2:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1] and rotate an even number of "
+                              f"dimensions of head_dim {self.head_dim}, got {factor!r}")
+        check_family(self)
+
+    def layer_kind(self, layer: int) -> str:
+        """"sliding_attention" or "full_attention" for decoder layer `layer`."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return "sliding_attention" if self.sliding_window is not None else "full_attention"
 
     # ---- derived sizes ----------------------------------------------------------------------
     @property
@@ -160,132 +195,30 @@ class ModelConfig:
 
     @classmethod
     def _from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
-        archs = hf.get("architectures") or []
-        if not isinstance(archs, list):
-            raise ConfigError(f"'architectures' must be a list, got {archs!r}")
-        by_type = {t: a for a, t in ARCHITECTURES.items()}
-        model_type = hf.get("model_type", "")
-        arch = archs[0] if archs else by_type.get(model_type, "") if isinstance(model_type, str) else ""
-        if not isinstance(arch, str):
-            raise ConfigError(f"'architectures' must list names, got {archs!r}")
-        if arch not in ARCHITECTURES:
-            shown = arch or f"model_type {hf.get('model_type')!r}"
-            raise ConfigError(f"architecture {shown} is not supported "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
-        act = hf.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act {act!r} is not supported (the SwiGLU MLP needs 'silu')")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads"):
-            if key not in hf:
-                raise ConfigError(f"missing required key {key!r}")
-        heads = hf["num_attention_heads"]
-        rope_theta, rope_scaling = _rope_from_hf(hf)
-        sliding = hf.get("sliding_window")
-        if arch == "Qwen2ForCausalLM":
-            # Qwen2 applies its window only when use_sliding_window is set, and then per layer
-            # (layers >= max_window_layers): per-layer windows are not implemented.
-            layer_types = hf.get("layer_types") or []
-            if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
-                raise ConfigError("Qwen2 use_sliding_window/sliding_attention layers are not supported; "
-                                  "set use_sliding_window to false (the released Qwen2 models do)")
-            sliding = None
-        elif arch == "LlamaForCausalLM":
-            sliding = None
-        attention_bias = bool(hf.get("attention_bias", False))
-        return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or 0,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta, rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            attention_bias=True if arch == "Qwen2ForCausalLM" else
-            (attention_bias if arch == "LlamaForCausalLM" else False),
-            o_proj_bias=attention_bias if arch == "LlamaForCausalLM" else False,
-            mlp_bias=bool(hf.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=sliding, architecture=arch,
-            initializer_range=hf.get("initializer_range", 0.02),
-            bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-            dtype=hf.get("dtype") or hf.get("torch_dtype"),
-        )
+        return cls(**config_fields_from_hf(hf))
 
     def to_hf(self, dtype: str | None = None) -> dict[str, Any]:
         """A config.json dict that transformers loads as this architecture."""
-        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
-        if self.rope_scaling:
-            rope_parameters = {**self.rope_scaling, "rope_theta": float(self.rope_theta)}
-        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        out: dict[str, Any] = {
-            "architectures": [self.architecture], "model_type": self.model_type,
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_parameters": rope_parameters,
-            # Older readers (transformers 4.x) look only at these two.
-            "rope_theta": float(self.rope_theta),
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
-            "bos_token_id": self.bos_token_id, "eos_token_id": eos, "pad_token_id": self.pad_token_id,
-            "attention_dropout": 0.0, "use_cache": True,
-        }
-        if self.architecture == "LlamaForCausalLM":
-            out["attention_bias"] = self.attention_bias
-            out["mlp_bias"] = self.mlp_bias
-        if self.architecture == "MistralForCausalLM":
-            out["sliding_window"] = self.sliding_window
-        if self.architecture == "Qwen2ForCausalLM":
-            out.update(use_sliding_window=False, sliding_window=None,
-                       max_window_layers=self.num_hidden_layers)
-        if dtype or self.dtype:
-            out["dtype"] = dtype or self.dtype
-        return out
+        return config_to_hf(self, dtype)
 
 
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalised rope_scaling) from either config.json spelling."""
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"rope_parameters/rope_scaling must be an object, got {params!r}")
-    if params and all(isinstance(v, dict) or v is None for v in params.values()):
-        raise ConfigError("per-layer-type rope_parameters are not supported")
-    params = dict(params)
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
-    params.pop("type", None)
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("partial_rotary_factor != 1 is not supported")
-    params.pop("partial_rotary_factor", None)
-    if rope_type == "default":
-        return theta, None
-    scaling = {"rope_type": rope_type, **params}
-    if rope_type in ("llama3", "yarn"):
-        # transformers falls back to max_position_embeddings when the original length is absent.
-        scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
-    return theta, scaling
-
-
-def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
+def _check_rope_scaling(cfg: ModelConfig) -> None:
+    scaling = cfg.rope_scaling
     if scaling is None:
         return
     rope_type = scaling.get("rope_type")
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
         raise ConfigError(f"rope_type {rope_type!r} is not supported (supported: default, "
-                          f"{', '.join(ROPE_TYPES)}; 'dynamic' and 'longrope' change with sequence length)")
+                          f"{', '.join(ROPE_TYPES)}; 'dynamic' changes with sequence length)")
     missing = [k for k in ROPE_TYPES[rope_type] if scaling.get(k) is None]
     if missing:
         raise ConfigError(f"rope_scaling of type {rope_type!r} is missing {missing}")
     unknown = set(scaling) - {"rope_type", *ROPE_TYPES[rope_type], *_ROPE_OPTIONAL_KEYS[rope_type]}
     if unknown:
         raise ConfigError(f"rope_scaling of type {rope_type!r} has unsupported keys {sorted(unknown)}")
+    if rope_type == "longrope":
+        _check_longrope(cfg, scaling)
+        return
     factor = scaling["factor"]
     if not _is_number(factor) or factor < 1:
         raise ConfigError(f"rope_scaling factor must be a finite number >= 1, got {factor!r}")
@@ -298,6 +231,26 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
         raise ConfigError("rope_scaling llama3 needs high_freq_factor > low_freq_factor")
 
 
+def _check_longrope(cfg: ModelConfig, scaling: Mapping[str, Any]) -> None:
+    """LongRoPE's two factor lists hold one positive number per rotated dimension pair."""
+    pairs = int(cfg.head_dim * cfg.partial_rotary_factor) // 2
+    for key in ("short_factor", "long_factor"):
+        value = scaling[key]
+        if (not isinstance(value, (list, tuple)) or len(value) != pairs
+                or not all(_is_number(v) and v > 0 for v in value)):
+            raise ConfigError(f"rope_scaling longrope {key} must list {pairs} positive numbers "
+                              f"(head_dim * partial_rotary_factor / 2), got "
+                              f"{len(value) if isinstance(value, (list, tuple)) else value!r}")
+    original = scaling["original_max_position_embeddings"]
+    if type(original) is not int or original <= 1:
+        raise ConfigError(f"rope_scaling original_max_position_embeddings must be an integer > 1, "
+                          f"got {original!r}")
+    for key in ("factor", "attention_factor"):
+        value = scaling.get(key)
+        if value is not None and not (_is_number(value) and value > 0):
+            raise ConfigError(f"rope_scaling longrope {key} must be null or a number > 0, got {value!r}")
+
+
 def _is_number(value: Any) -> bool:
     """A finite int or float (not a bool)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -306,24 +259,45 @@ def _is_number(value: Any) -> bool:
 
 # ---- parameter shapes and counts ------------------------------------------------------------
 def block_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Names (relative to one decoder layer) and shapes of a block's parameters, in module order."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
+    """Names (relative to one decoder layer) and shapes of a block's parameters, in the order
+    llama.py registers them (the order flat buffers lay them out in)."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    attn: dict[str, tuple[int, int, bool]] = (
+        {"self_attn.qkv_proj": (cfg.q_size + 2 * cfg.kv_size, h, cfg.attention_bias)}
+        if cfg.fused_projections else
+        {"self_attn.q_proj": (cfg.q_size, h, cfg.attention_bias),
+         "self_attn.k_proj": (cfg.kv_size, h, cfg.attention_bias),
+         "self_attn.v_proj": (cfg.kv_size, h, cfg.attention_bias)})
+    attn["self_attn.o_proj"] = (h, cfg.q_size, cfg.o_proj_bias)
+    mlp: dict[str, tuple[int, int, bool]] = (
+        {"mlp.gate_up_proj": (2 * f, h, cfg.mlp_bias)} if cfg.fused_projections else
+        {"mlp.gate_proj": (f, h, cfg.mlp_bias), "mlp.up_proj": (f, h, cfg.mlp_bias)})
+    mlp["mlp.down_proj"] = (h, f, cfg.mlp_bias)
     shapes: dict[str, tuple[int, ...]] = {}
-    for proj, (out_f, in_f, bias) in {
-        "self_attn.q_proj": (cfg.q_size, h, cfg.attention_bias),
-        "self_attn.k_proj": (cfg.kv_size, h, cfg.attention_bias),
-        "self_attn.v_proj": (cfg.kv_size, h, cfg.attention_bias),
-        "self_attn.o_proj": (h, cfg.q_size, cfg.o_proj_bias),
-        "mlp.gate_proj": (f, h, cfg.mlp_bias),
-        "mlp.up_proj": (f, h, cfg.mlp_bias),
-        "mlp.down_proj": (h, f, cfg.mlp_bias),
-    }.items():
+    for proj, (out_f, in_f, bias) in attn.items():
         shapes[f"{proj}.weight"] = (out_f, in_f)
         if bias:
             shapes[f"{proj}.bias"] = (out_f,)
-    shapes["input_layernorm.weight"] = (h,)
-    shapes["post_attention_layernorm.weight"] = (h,)
+    if cfg.qk_norm:
+        shapes["self_attn.q_norm.weight"] = (d,)
+        shapes["self_attn.k_norm.weight"] = (d,)
+    for proj, (out_f, in_f, bias) in mlp.items():
+        shapes[f"{proj}.weight"] = (out_f, in_f)
+        if bias:
+            shapes[f"{proj}.bias"] = (out_f,)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if cfg.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for norm in norms:
+        shapes[f"{norm}.weight"] = (h,)
     return shapes
+
+
+def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The block's projections (relative names, no ".weight"): what int8/int4 conversion and
+    LoRA target, in module order."""
+    return tuple(n[:-len(".weight")] for n in block_parameter_shapes(cfg)
+                 if n.endswith("_proj.weight"))
 
 
 def block_prefix(layer: int) -> str:
@@ -352,68 +326,3 @@ def num_block_params(cfg: ModelConfig) -> int:
     return sum(math.prod(s) for s in block_parameter_shapes(cfg).values())
 
 
-# ---- presets --------------------------------------------------------------------------------
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-PRESETS: dict[str, ModelConfig] = {
-    # A few hundred thousand parameters: fast enough for any unit test.
-    "tiny": ModelConfig(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        bos_token_id=1, eos_token_id=2),
-    # ~100M with tied embeddings: a training benchmark that fits anywhere.
-    "small": ModelConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
-                         num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                         tie_word_embeddings=True, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2),
-    # meta-llama/Llama-3.2-1B
-    "1B": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=64, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE),
-                      max_position_embeddings=131072, tie_word_embeddings=True,
-                      bos_token_id=128000, eos_token_id=128001, dtype="bfloat16"),
-    # meta-llama/Llama-3.2-3B
-    "3B": ModelConfig(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
-                      num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-                      head_dim=128, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE),
-                      max_position_embeddings=131072, tie_word_embeddings=True,
-                      bos_token_id=128000, eos_token_id=128001, dtype="bfloat16"),
-    # meta-llama/Llama-2-7b-hf
-    "7B": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                      max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="float16"),
-    # meta-llama/Meta-Llama-3-8B
-    "8B": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      rope_theta=500000.0, max_position_embeddings=8192,
-                      bos_token_id=128000, eos_token_id=128001, dtype="bfloat16"),
-    # meta-llama/Llama-2-13b-hf
-    "13B": ModelConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
-                       num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
-                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="float16"),
-    # meta-llama/Llama-2-70b-hf
-    "70B": ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
-                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="float16"),
-    # mistralai/Mistral-7B-v0.1
-    "mistral-7B": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                              max_position_embeddings=32768, sliding_window=4096,
-                              architecture="MistralForCausalLM", bos_token_id=1, eos_token_id=2,
-                              dtype="bfloat16"),
-    # Qwen/Qwen2.5-0.5B
-    "qwen2-0.5B": ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                              rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
-                              attention_bias=True, tie_word_embeddings=True,
-                              architecture="Qwen2ForCausalLM", bos_token_id=151643,
-                              eos_token_id=151643, dtype="bfloat16"),
-}
-PRESETS["100M"] = PRESETS["small"]
-
-
-def preset(name: str) -> ModelConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})") from None

@@ -24,259 +24,78 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload.memory import mapped
-from offload.models import kernels
 from offload.models.attention import attend
 from offload.models.config import ModelConfig, block_prefix
+from offload.models.projections import (FROZEN_GRAD_CHUNK_BYTES, VocabHead, _FrozenProjectionCPU,  # noqa: F401
+                                        _HeadProjection, head_projection, project)
+from offload.models.rope import FULL, SLIDING, Rotary, apply_rotary, rope_frequencies  # noqa: F401
 
 # enable_gqa lets SDPA attend grouped K/V heads without materialising repeated copies.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-# ---- rotary embeddings ----------------------------------------------------------------------
-def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] fp32 on CPU, attention_scaling applied to cos/sin) for the config's
-    RoPE variant. Always computed on CPU in fp32 from the config alone, so a model built on meta
-    gets real frequencies and every device sees bit-identical ones."""
-    with torch.device("cpu"):  # even when called under a `with torch.device("meta")` build
-        return _rope_frequencies(cfg)
-
-
-def _rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    dim, theta = cfg.head_dim, float(cfg.rope_theta)
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim  # [dim/2]
-    inv_freq = 1.0 / (theta ** exponents)
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq, 1.0
-    kind, factor = scaling["rope_type"], float(scaling["factor"])
-    if kind == "linear":  # position interpolation: positions divided by factor
-        return inv_freq / factor, 1.0
-    if kind == "llama3":
-        # Long wavelengths (beyond the original context / low_freq_factor) are slowed by
-        # `factor`, short ones (below original / high_freq_factor) kept, the band between
-        # blended linearly in 1/wavelength.
-        original = float(scaling["original_max_position_embeddings"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-        smooth = (original / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= original / high) & (wavelen <= original / low)
-        return torch.where(medium, blended, scaled), 1.0
-    if kind == "yarn":
-        return _yarn_frequencies(cfg, inv_freq, factor)
-    raise ValueError(f"unsupported rope_type {kind!r}")  # ModelConfig.validate refuses it first
-
-
-def _yarn_frequencies(cfg: ModelConfig, inv_freq: torch.Tensor, factor: float) -> tuple[torch.Tensor, float]:
-    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between, and scale the
-    attention logits (through cos/sin) by a temperature that depends on the factor."""
-    s, dim, theta = cfg.rope_scaling or {}, cfg.head_dim, float(cfg.rope_theta)
-    original = float(s["original_max_position_embeddings"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention = s.get("attention_factor")
-    if attention is None:
-        if s.get("mscale") and s.get("mscale_all_dim"):
-            attention = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
-        else:
-            attention = mscale(factor)
-    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:  # dimension that turns `rotations` times
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by factor
-    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention)
-
-
-class Rotary:
-    """Rotary cos/sin from positions. Not an nn.Module and holds no buffers: inv_freq is derived
-    from the config and cached per device, so meta building, `.to()` and parameter swapping
-    never have to know about it."""
-
-    def __init__(self, cfg: ModelConfig):
-        self.inv_freq_cpu, self.attention_scaling = rope_frequencies(cfg)
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [B, T] -> (cos, sin), each [B, T, head_dim] in `dtype` (angles in fp32)."""
-        device = position_ids.device
-        inv_freq = self._by_device.get(device)
-        if inv_freq is None:
-            inv_freq = self._by_device[device] = self.inv_freq_cpu.to(device)
-        angles = position_ids[..., None].float() * inv_freq  # [B, T, head_dim/2]
-        angles = torch.cat((angles, angles), dim=-1)  # [B, T, head_dim]: halves rotate together
-        cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D] rotated by cos/sin [B, T, D]; pairs are (i, i + D/2) as in HF weights."""
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-# ---- projections ----------------------------------------------------------------------------
-# For few rows (batched decode is [B, 1] tokens) the same product computed as (W @ x^T)^T can be
-# much faster than x @ W^T on one CPU and much slower on another, and one row (batch-1 decode)
-# runs on one core unless split: offload/models/kernels.py measures the candidates on this
-# machine, per shape, the first time it meets one in inference. Training
-# never takes it, checkpointed forwards included: its results stay bit-identical to nn.Linear's.
-def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) for x [..., in] -> [..., out]; the same math, a faster kernel for few rows."""
-    if not isinstance(layer, nn.Linear):  # a quantized projection brings its own kernel
-        return layer(x)
-    if x.device.type == "cpu" and not layer.weight.requires_grad and (
-            mapped.is_mapped(layer.weight)  # read a slice at a time, forward and backward
-            or (torch.is_grad_enabled() and x.requires_grad
-                and x.dtype in (torch.bfloat16, torch.float16))):
-        return _FrozenProjectionCPU.apply(x, layer.weight, layer.bias)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    # inference mode, not merely no-grad: activation checkpointing runs training forwards under
-    # no_grad, and those must compute exactly what the recompute and plain PyTorch compute
-    if (0 < rows <= kernels.SMALL_ROWS_MAX and x.device.type == "cpu" and x.dtype == torch.float32
-            and torch.is_inference_mode_enabled()):
-        w = layer.weight  # [out, in]
-        x2d = x.reshape(rows, -1)  # [rows, in]
-        kernel = kernels.kernel_for(w, x2d)
-        if kernel != "linear":
-            y = kernels.run(kernel, w, x2d)  # [rows, out]
-            if layer.bias is not None:
-                y = y + layer.bias
-            return y.reshape(*x.shape[:-1], w.shape[0])
-    return F.linear(x, layer.weight, layer.bias)  # nn.Linear's forward (a VocabHead's calls here)
-
-
-FROZEN_GRAD_CHUNK_BYTES = 64 << 20  # fp32 rows of a frozen weight per step of its input gradient
-
-
-class _FrozenProjectionCPU(torch.autograd.Function):
-    """x @ W^T (+ b) with a frozen W on the CPU (a LoRA base, a frozen head), whose input
-    gradient grad @ W is taken in fp32 and rounded once. torch's CPU bf16 product of that layout
-    ([rows, out] @ [out, in]) is pathologically slow without native bf16 instructions: 13.3 s
-    for [32, 14336] @ [14336, 4096] against 0.23 s through fp32, one thread, AMD EPYC, torch
-    2.13 -- an 8B LoRA update took over half an hour in it. The forward is F.linear as before;
-    the gradient is the exact product rounded once instead of bf16 GEMM rounding.
-    A W mapped from its swap file (offload/memory/mapped.py) is read FROZEN_GRAD_CHUNK_BYTES of fp32
-    rows at a time in the forward too, each slice's pages handed back after its product, so
-    the whole of it is never in the resident set."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        if not mapped.is_mapped(weight):
-            return F.linear(x, weight, bias)  # [..., out]
-        out_f = weight.shape[0]
-        y = x.new_empty(*x.shape[:-1], out_f)  # [..., out]
-        for a, b in _row_slices(weight):
-            y[..., a:b] = F.linear(x, weight[a:b], None if bias is None else bias[a:b])
-            mapped.release_pages(weight[a:b])
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (weight,) = ctx.saved_tensors
-        out_f, in_f = weight.shape
-        # fp32 copies of at most FROZEN_GRAD_CHUNK_BYTES of W at a time: the whole of an 8B
-        # model's head in fp32 would be a 2 GiB temporary
-        g = grad.reshape(-1, out_f)  # [n, out]
-        acc = torch.zeros(g.shape[0], in_f, dtype=torch.float32)  # [n, in]
-        for a, b in _row_slices(weight):
-            acc.addmm_(g[:, a:b].float(), weight[a:b].float())
-            mapped.release_pages(weight[a:b])
-        return acc.to(grad.dtype).view(*grad.shape[:-1], in_f), None, None
-
-
-def _row_slices(weight: torch.Tensor) -> list[tuple[int, int]]:
-    """[a, b) row ranges of `weight` [out, in] of at most FROZEN_GRAD_CHUNK_BYTES in fp32."""
-    out_f, in_f = weight.shape
-    rows = max(1, FROZEN_GRAD_CHUNK_BYTES // (4 * max(1, in_f)))
-    return [(a, min(out_f, a + rows)) for a in range(0, out_f, rows)]
-
-
-class _HeadProjection(torch.autograd.Function):
-    """x @ W^T for the vocabulary head in training, whose weight gradient is made as a fresh
-    contiguous [V, H] tensor (grad^T @ x). nn.Linear's is a transposed view of an [H, V]
-    product, which autograd cannot sum into in place: with tied embeddings it then holds the
-    head's gradient, the embedding's and their sum at once — three vocab x hidden tensors
-    (2.2 GiB for a 3B Llama in bf16) where two suffice."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)  # [..., V]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None  # [..., H]
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-            grad_w = g2.t() @ x2  # [V, H], contiguous
-        return grad_x, grad_w
-
-
-def head_projection(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The vocabulary head: `project` in inference, the in-place-summable gradient in training."""
-    if torch.is_grad_enabled() and layer.bias is None and layer.weight.requires_grad:
-        return _HeadProjection.apply(x, layer.weight)
-    return project(layer, x)
-
-
-class VocabHead(nn.Linear):
-    """The lm_head: an nn.Linear (same parameters, same checkpoint names) whose forward is
-    head_projection, so that module hooks see every use of its weight (ZeRO stage 3 gathers a
-    module's parameters around its forward: offload/zero/rest.py)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return head_projection(self, x)
-
-
 # ---- blocks ---------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """RMSNorm in either family's order of operations (both normalise in fp32: bf16 squares
+    lose too much). "llama": cast back, then scale by w (bf16 results then match Llama's
+    reference); "gemma": scale by (1 + w) in fp32, then cast (Gemma's reference)."""
+
+    def __init__(self, size: int, eps: float, style: str = "llama"):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size) if style == "gemma" else torch.ones(size))
+        self.eps, self.offset = eps, style == "gemma"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (bf16 squares lose too much), cast back, then scale: the same
-        # order of operations as the reference, so bf16 results match too.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with the families' options: fused qkv (Phi-3), q/k norms per
+    head before RoPE (Qwen3, Gemma 3), a query scale from query_pre_attn_scalar and tanh
+    soft-capping of the scores (Gemma 2). Parameter names are transformers'."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        if cfg.fused_projections:
+            self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attention_bias)
+            self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+            self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_style)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_style)
+        # None: SDPA's default 1/sqrt(head_dim)
+        self.scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> q [B, T, nh, D], k and v [B, T, kvh, D]."""
+        B, T, _ = x.shape
+        if hasattr(self, "qkv_proj"):
+            q, k, v = project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = project(self.q_proj, x), project(self.k_proj, x), project(self.v_proj, x)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # over each head's dimensions, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, kv: tuple[torch.Tensor, torch.Tensor] | None,
                 kv_start: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = project(self.q_proj, x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, D]
-        k = project(self.k_proj, x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
-        v = project(self.v_proj, x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(x))  # [B, heads, T, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv is not None:  # write this step's keys/values, attend over everything so far
             k_cache, v_cache = kv  # [B, kvh, max_len, D]
@@ -287,25 +106,60 @@ class Attention(nn.Module):
             k = k_cache[:, :, :end].to(device=q.device, dtype=q.dtype)
             v = v_cache[:, :, :end].to(device=q.device, dtype=q.dtype)
         groups = self.num_heads // self.num_kv_heads
-        if groups > 1 and not _SDPA_GQA:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        # No mask means: no padding, no window, and either a fresh sequence (causal, T == S) or
-        # a single query that sees every cached key. On the CPU torch's fused kernel only where
-        # it was checked on this machine (models/attention.py).
-        out = attend(q, k, v, mask, is_causal=mask is None and T > 1,
-                     enable_gqa=groups > 1 and _SDPA_GQA)  # [B, nh, T, D]
+        if self.softcap is not None:
+            out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        else:
+            if groups > 1 and not _SDPA_GQA:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            # No mask means: no padding, no window, and either a fresh sequence (causal, T == S)
+            # or a single query that sees every cached key. On the CPU torch's fused kernel only
+            # where it was checked on this machine (models/attention.py).
+            out = attend(q, k, v, mask, is_causal=mask is None and T > 1,
+                         enable_gqa=groups > 1 and _SDPA_GQA, scale=self.scale)  # [B, nh, T, D]
         return project(self.o_proj, out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float | None, cap: float) -> torch.Tensor:
+    """Attention whose scores are soft-capped, cap * tanh(scores / cap), before the mask and
+    softmax (Gemma 2), which no fused kernel does: the composite, softmax in fp32 as the
+    reference. q [B, nh, T, D], k/v [B, kvh, S, D], mask bool [B, 1, T, S] or None (causal when
+    T > 1, everything for a single query)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, nh, T, S]
+    scores = torch.tanh(scores / cap) * cap
+    T, S = scores.shape[-2:]
+    if mask is None and T > 1:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 class MLP(nn.Module):
+    """act(gate(x)) * up(x) -> down: SwiGLU (silu) or GeGLU (tanh GELU, Gemma); gate and up
+    fused in one gate_up_proj for Phi-3 (its first half is the gate)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        if cfg.fused_projections:
+            self.gate_up_proj = nn.Linear(h, 2 * f, bias=cfg.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(h, f, bias=cfg.mlp_bias)
+            self.up_proj = nn.Linear(h, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, h, bias=cfg.mlp_bias)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # SwiGLU
-        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
+        else:
+            gate, up = project(self.gate_proj, x), project(self.up_proj, x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return project(self.down_proj, act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -313,14 +167,23 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
+        # Llama: the norm before the MLP; Gemma: the norm of the attention's output
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, kv_start: int = 0) -> torch.Tensor:
-        """hidden [B, T, H]; cos/sin [B, T, D]; mask None or bool [B, 1, T, S] (True = attend);
+        """hidden [B, T, H]; cos/sin [B, T, R]; mask None or bool [B, 1, T, S] (True = attend);
         kv: this layer's (keys, values) cache buffers [B, kvh, max_len, D], filled up to kv_start."""
+        if self.sandwich:
+            attn = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, kv, kv_start)
+            hidden = hidden + self.post_attention_layernorm(attn)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, kv, kv_start)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -394,12 +257,20 @@ class LlamaModel(nn.Module):
         # nn.Embedding's own init (normal_) on a meta tensor runs through torch's Python refs,
         # which import torch._dynamo (seconds): pass the weight in and init only real storage
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size)  # on the current default device
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        # transformers' padding_idx: the pad token's row gets no gradient (a config's -1: none)
+        pad = cfg.pad_token_id
+        pad = pad if pad is not None and 0 <= pad < cfg.vocab_size else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad,
+                                         _weight=weight)
         if weight.device.type != "meta":
             nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
+        self.layer_kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
+        self.rotary = Rotary(cfg, FULL)
+        # per layer kind; only Gemma 3's sliding layers rotate differently (their own base)
+        self.rotaries = {kind: self.rotary if kind == FULL or cfg.rope_local_theta is None
+                         else Rotary(cfg, kind) for kind in sorted(set(self.layer_kinds))}
 
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
@@ -423,12 +294,18 @@ class LlamaModel(nn.Module):
             else:
                 position_ids = torch.arange(start, total, device=input_ids.device).expand(B, T)
         hidden = self.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, D]
-        mask = attention_mask_for(B, T, start, attention_mask, self.config.sliding_window,
-                                  input_ids.device, document_ids)
+        if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to fp32, then to the dtype
+            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5).to(hidden.dtype)
+        rotations = {kind: rotary(position_ids, hidden.dtype)  # (cos, sin) [B, T, R] per kind
+                     for kind, rotary in self.rotaries.items()}
+        masks = {kind: attention_mask_for(B, T, start, attention_mask,
+                                          self.config.sliding_window if kind == SLIDING else None,
+                                          input_ids.device, document_ids)
+                 for kind in self.rotaries}
         for i, layer in enumerate(self.layers):
+            kind = self.layer_kinds[i]
             kv = kv_cache.layer(i) if kv_cache is not None else None
-            hidden = layer(hidden, cos, sin, mask, kv, start)
+            hidden = layer(hidden, *rotations[kind], masks[kind], kv, start)
             if kv_cache is not None:
                 kv_cache.written(i, start, total)  # an offloaded cache copies them back to the host
         if kv_cache is not None:
@@ -460,7 +337,11 @@ class LlamaForCausalLM(nn.Module):
                             kv_cache=kv_cache, document_ids=document_ids)
         if last_only:
             hidden = hidden[:, -1:]
-        return self.lm_head(hidden)  # head_projection (VocabHead)
+        logits = self.lm_head(hidden)  # head_projection (VocabHead)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap), in the logits' dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -502,11 +383,16 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def init_parameter_(name: str, out: torch.Tensor, seed: int, std: float) -> None:
+def norm_init_value(cfg: ModelConfig) -> float:
+    """What a fresh norm weight holds: 1 (Llama scales by w), 0 (Gemma scales by 1 + w)."""
+    return 0.0 if cfg.norm_style == "gemma" else 1.0
+
+
+def init_parameter_(name: str, out: torch.Tensor, seed: int, std: float, norm_value: float = 1.0) -> None:
     """Deterministic init of one parameter from (seed, checkpoint name): norms 1, biases 0,
     matrices N(0, std). Drawn on CPU in fp32 so the values do not depend on device or dtype."""
     if name.endswith("norm.weight"):
-        out.fill_(1.0)
+        out.fill_(norm_value)
     elif name.endswith(".bias"):
         out.zero_()
     else:
@@ -521,12 +407,12 @@ def init_parameter_(name: str, out: torch.Tensor, seed: int, std: float) -> None
             part.copy_(torch.empty(part.numel(), dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
-def seeded_init(seed: int, std: float) -> Callable[[Mapping[str, torch.Tensor]], None]:
+def seeded_init(seed: int, std: float, norm_value: float = 1.0) -> Callable[[Mapping[str, torch.Tensor]], None]:
     """A source for `offload.initialize(model, cfg, source=...)` (or anything filling named
     tensors in place) that gives every parameter init_parameter_'s deterministic values."""
     def fill(tensors: Mapping[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
-            init_parameter_(name, t, seed, std)
+            init_parameter_(name, t, seed, std, norm_value)
     return fill
 
 
@@ -538,7 +424,7 @@ def _materialize(model: nn.Module, named: Iterable[tuple[str, nn.Parameter]], de
     if isinstance(source, int):
         std = model.config.initializer_range  # type: ignore[union-attr]
         for name, t in fresh.items():
-            init_parameter_(name, t, source, std)
+            init_parameter_(name, t, source, std, norm_init_value(model.config))  # type: ignore[arg-type]
     else:
         source.read_tensors_into(fresh)
     old = dict(model.named_parameters())

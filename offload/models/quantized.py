@@ -24,7 +24,9 @@ final norm and the head stay in the compute dtype.
 
 A GGUF source's Q8_0 tensors (for int8) and Q4_0 / Q4_1 tensors (for int4) are taken as they
 are (`quant_format.from_gguf`: group size 32, the same values exactly), never round-tripped through 16
-bits; other tensors are quantized from their dequantized values.
+bits; every other type (the K-quants Q2_K..Q6_K, Q5_0/Q5_1, and the 16-bit ones) is converted once:
+dequantized by the gguf package to float32 and quantized at the asked group size like any
+checkpoint's weight (scripts/bench_kquant.py measures the error this adds on the real Gemma 3 file).
 """
 
 from __future__ import annotations
@@ -42,20 +44,22 @@ from nvme.format import (FormatError, content_digest, read_header, stored_checks
                          write_json_atomic)
 from nvme.io import IOEngine
 from offload.memory.layout import TensorRange
-from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix
+from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix, projection_names
 from offload.quant.matmul import check_kernels, quant_linear
 from offload.quant.format import QuantError, QuantSpec, from_gguf, packed_bytes, quantize
 
 FORMAT_VERSION = 2  # 2: each block file carries its tensors' CRC-32C (verified on every read)
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# every family's projections (a block has some of them: config.projection_names)
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj",
+               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj", "mlp.down_proj")
 QUANT_MODES = ("int8", "int4")
 # int8: groups of 32 (llama.cpp's Q8_0): on SmolLM2 98.1% teacher-forced top-1 agreement with
 # the unquantized model against 96.7% per output channel, at 0.83-0.98x its decode speed on the
 # 1B preset in RAM (docs/benchmarks/int8.md); --group-size channel takes the faster one
 DEFAULT_GROUP = {"int8": 32, "int4": 64}
 PER_CHANNEL = -1  # QuantSettings.group_size for one scale per output row (int8 only)
-GGUF_TAKEN = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}  # GGUF types kept as they are
+# GGUF types kept as they are; the rest (K-quants, Q5_0/Q5_1, F16...) are dequantized and quantized
+GGUF_TAKEN = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}
 
 
 def part_shapes(out_f: int, in_f: int, spec: QuantSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -120,7 +124,7 @@ def projection_specs(cfg: ModelConfig, settings: QuantSettings,
     out = []
     for i in range(cfg.num_hidden_layers):
         specs = {}
-        for proj in PROJECTIONS:
+        for proj in projection_names(cfg):
             kind = (gguf_types or {}).get(f"{block_prefix(i)}{proj}.weight")
             specs[proj] = QuantSpec(spec.bits, 32) if kind in GGUF_TAKEN[settings.mode] else spec
         out.append(specs)

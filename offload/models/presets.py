@@ -1,0 +1,124 @@
+"""Presets: the shapes of released models, so `--model 8B` plans, dry-runs and benchmarks without
+the checkpoint. Parameter counts are checked against the published ones in tests/test_families.py."""
+
+from __future__ import annotations
+
+from offload.models.config import ConfigError, ModelConfig
+
+# ---- presets --------------------------------------------------------------------------------
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, ModelConfig] = {
+    # A few hundred thousand parameters: fast enough for any unit test.
+    "tiny": ModelConfig(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        bos_token_id=1, eos_token_id=2),
+    # ~100M with tied embeddings: a training benchmark that fits anywhere.
+    "small": ModelConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                         num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                         tie_word_embeddings=True, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2),
+    # meta-llama/Llama-3.2-1B
+    "1B": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=64, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE),
+                      max_position_embeddings=131072, tie_word_embeddings=True,
+                      bos_token_id=128000, eos_token_id=128001, dtype="bfloat16"),
+    # meta-llama/Llama-3.2-3B
+    "3B": ModelConfig(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                      num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                      head_dim=128, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE),
+                      max_position_embeddings=131072, tie_word_embeddings=True,
+                      bos_token_id=128000, eos_token_id=128001, dtype="bfloat16"),
+    # meta-llama/Llama-2-7b-hf
+    "7B": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="float16"),
+    # meta-llama/Meta-Llama-3-8B
+    "8B": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      rope_theta=500000.0, max_position_embeddings=8192,
+                      bos_token_id=128000, eos_token_id=128001, dtype="bfloat16"),
+    # meta-llama/Llama-2-13b-hf
+    "13B": ModelConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                       num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="float16"),
+    # meta-llama/Llama-2-70b-hf
+    "70B": ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="float16"),
+    # mistralai/Mistral-7B-v0.1
+    "mistral-7B": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                              max_position_embeddings=32768, sliding_window=4096,
+                              architecture="MistralForCausalLM", bos_token_id=1, eos_token_id=2,
+                              dtype="bfloat16"),
+    # Qwen/Qwen2.5-0.5B
+    "qwen2-0.5B": ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                              rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+                              attention_bias=True, tie_word_embeddings=True,
+                              architecture="Qwen2ForCausalLM", bos_token_id=151643,
+                              eos_token_id=151643, dtype="bfloat16"),
+}
+PRESETS["100M"] = PRESETS["small"]
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})") from None
+
+
+def _gemma3_layers(n: int, pattern: int = 6) -> tuple[str, ...]:
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
+
+
+PRESETS.update({
+    # Qwen/Qwen3-8B (published: 8.2B parameters)
+    "qwen3-8B": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                            head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                            max_position_embeddings=40960, architecture="Qwen3ForCausalLM",
+                            qk_norm=True, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16"),
+    # Qwen/Qwen3-32B (published: 32.8B)
+    "qwen3-32B": ModelConfig(vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                             num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                             head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                             max_position_embeddings=40960, architecture="Qwen3ForCausalLM",
+                             qk_norm=True, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16"),
+    # google/gemma-3-27b-it's text decoder (published: 27.4B with its 0.42B SigLIP vision tower)
+    "gemma3-27B": ModelConfig(vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                              num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+                              head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                              rope_scaling={"rope_type": "linear", "factor": 8.0},
+                              rope_local_theta=10000.0, max_position_embeddings=131072,
+                              sliding_window=1024, layer_types=_gemma3_layers(62),
+                              query_pre_attn_scalar=168, tie_word_embeddings=True,
+                              architecture="Gemma3ForCausalLM", hidden_act="gelu_pytorch_tanh",
+                              norm_style="gemma", sandwich_norms=True, qk_norm=True, embed_scale=True,
+                              bos_token_id=2, eos_token_id=(1, 106), pad_token_id=0, dtype="bfloat16"),
+    # google/gemma-3-270m (published: 268M), the suite's second real model
+    "gemma3-270M": ModelConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                               num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                               head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                               rope_local_theta=10000.0, max_position_embeddings=32768,
+                               sliding_window=512, layer_types=_gemma3_layers(18),
+                               query_pre_attn_scalar=256, tie_word_embeddings=True,
+                               architecture="Gemma3ForCausalLM", hidden_act="gelu_pytorch_tanh",
+                               norm_style="gemma", sandwich_norms=True, qk_norm=True, embed_scale=True,
+                               bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16"),
+    # microsoft/phi-4 (published: 14.7B)
+    "phi4-14B": ModelConfig(vocab_size=100352, hidden_size=5120, intermediate_size=17920,
+                            num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+                            rms_norm_eps=1e-5, rope_theta=250000.0, max_position_embeddings=16384,
+                            architecture="Phi3ForCausalLM", fused_projections=True,
+                            bos_token_id=100257, eos_token_id=100265, pad_token_id=100349,
+                            dtype="bfloat16"),
+})
+# published parameter counts the presets are held to (within 1%: tests/test_families.py)
+PUBLISHED_PARAMS = {"qwen3-8B": 8.19e9, "qwen3-32B": 32.8e9, "gemma3-27B": 27.43e9 - 0.417e9,
+                    "gemma3-270M": 268e6, "phi4-14B": 14.7e9, "1B": 1.24e9, "3B": 3.21e9,
+                    "8B": 8.03e9, "7B": 6.74e9, "13B": 13.0e9, "70B": 69.0e9, "mistral-7B": 7.24e9}
