@@ -206,9 +206,10 @@ def config_fields_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         fields.update(query_pre_attn_scalar=d["query_pre_attn_scalar"],
                       attn_logit_softcapping=d.get("attn_logit_softcapping"),
                       final_logit_softcapping=d.get("final_logit_softcapping"))
-    fields["layer_types"] = _layer_types(d, arch, fields["num_hidden_layers"])
-    if fields["layer_types"] is not None and SLIDING not in fields["layer_types"]:
-        fields["sliding_window"] = None if arch == "Qwen3ForCausalLM" else fields["sliding_window"]
+    layer_types = _layer_types(d, arch, fields["num_hidden_layers"])
+    if arch == "Qwen3ForCausalLM" and layer_types is not None and SLIDING not in layer_types:
+        layer_types, fields["sliding_window"] = None, None  # every layer full: Qwen3's usual case
+    fields["layer_types"] = layer_types
     return fields
 
 

@@ -1,5 +1,5 @@
 """Presets: the shapes of released models, so `--model 8B` plans, dry-runs and benchmarks without
-the checkpoint. Parameter counts are checked against the published ones in tests/test_families.py."""
+the checkpoint. Parameter counts are checked against the published ones in tests/test_families_infer.py."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ PRESETS.update({
                             bos_token_id=100257, eos_token_id=100265, pad_token_id=100349,
                             dtype="bfloat16"),
 })
-# published parameter counts the presets are held to (within 1%: tests/test_families.py)
+# published parameter counts the presets are held to (within 1%: tests/test_families_infer.py)
 PUBLISHED_PARAMS = {"qwen3-8B": 8.19e9, "qwen3-32B": 32.8e9, "gemma3-27B": 27.43e9 - 0.417e9,
                     "gemma3-270M": 268e6, "phi4-14B": 14.7e9, "1B": 1.24e9, "3B": 3.21e9,
                     "8B": 8.03e9, "7B": 6.74e9, "13B": 13.0e9, "70B": 69.0e9, "mistral-7B": 7.24e9}
