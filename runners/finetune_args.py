@@ -14,7 +14,8 @@ import torch
 from offload.lora import SHORT_TARGETS, LoraConfig, LoraError
 from runners.common import GROUP_SIZE_HELP, Parser, dtype_label, fail, group_size_arg, select_dtype
 
-DESCRIPTION = "fine-tune a Llama-family model with offloaded optimizer state"
+DESCRIPTION = ("fine-tune a Llama, Mistral, Qwen2/3, Gemma 2/3 or Phi-3/4 model with offloaded "
+               "optimizer state")
 
 DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size=16,
                 micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
@@ -49,8 +50,9 @@ def _add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model, the data, where optimizer state lives, the dtype."""
     d = DEFAULTS
     ap.add_argument("--model", default=d["model"], help="a Hugging Face checkpoint directory, a .gguf "
-                    "file (F32/F16/BF16/Q8_0/Q4_0/Q4_1, dequantized to fp32 once into a cache) or a preset "
-                    "name (tiny, small, 1B, 3B, 7B, 8B, 13B, 70B, ...; presets start from random weights)")
+                    "file (F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, Q2_K-Q6_K; dequantized to fp32 once into a "
+                    "cache) or a preset name (tiny, small, 1B, 3B, 7B, 8B, 13B, 70B, qwen3-8B, gemma3-27B, "
+                    "phi4-14B, ...; presets start from random weights)")
     ap.add_argument("--data", default=None, help="a .txt file, a .jsonl file (one example per line: "
                     "'text', chat 'messages' or ShareGPT 'conversations', 'prompt'/'response', Alpaca "
                     "'instruction'/'input'/'output'), a .json array of such examples, or a directory of "

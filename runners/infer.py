@@ -352,8 +352,9 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
         + (args.lora.device_bytes if getattr(args, "lora", None) else 0),  # resident adapters
         batch_size=batch, context=context,
         kv_bytes_per_seq=kv_cache_bytes(cfg, 1, context, dtype),
-        workspace_per_seq=workspace_bytes(cfg.hidden_size, cfg.intermediate_size,
-                                          cfg.num_attention_heads, cfg.vocab_size, context, 1, item),
+        workspace_per_seq=workspace_bytes(max(cfg.hidden_size, cfg.q_size), cfg.intermediate_size,
+                                          cfg.num_attention_heads, cfg.vocab_size, context, 1, item,
+                                          score_copies=3 if cfg.attn_logit_softcapping else 1),
         device_budget=dev_budget if device.type == "cuda" else host_budget, host_budget=host_budget,
         device_is_host=device.type != "cuda", mode=args.mode,
         force=None if args.weights == "auto" else args.weights, nvme_ahead=args.nvme_ahead,

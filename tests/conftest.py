@@ -21,15 +21,27 @@ def load_script(name: str):
     return module
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> str:
-    fetcher = load_script("fetch_smollm2")
+def _fetched(script: str, what: str) -> str:
+    """The path a scripts/ fetcher caches its model at; under CI a failure to fetch fails,
+    elsewhere (an offline GPU machine) the tests that need it are skipped with the reason."""
     try:
-        return fetcher.fetch(quiet=True)
+        return load_script(script).fetch(quiet=True)
     except RuntimeError as e:
         if os.environ.get("CI"):
             raise
-        pytest.skip(f"the real model could not be fetched here: {e}")
+        pytest.skip(f"{what} could not be fetched here: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    return _fetched("fetch_smollm2", "the real model")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> str:
+    """The second real model: Gemma 3 270M as a Q4_K_M GGUF (K-quants, Gemma names, SentencePiece
+    vocabulary), fetched once by scripts/fetch_gemma3.py into the same cache."""
+    return _fetched("fetch_gemma3", "the Gemma 3 270M GGUF")
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +59,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_gguf):
+    """(our GGUFReader, transformers' model in fp32 and its tokenizer), transformers loading the
+    file itself. Three pure steps it repeats are done once (they were 25 of the fixture's ~40 s of CPU):
+    the gguf package's parse of the file (262K tokens: ~13 s; transformers calls gguf.GGUFReader
+    for each config and again for the weights: it is handed the reader ours parsed), its
+    metadata-only pass of load_gguf_checkpoint (the config, ~5 s each for the tokenizer's and the
+    model's: the first result is handed out again, copied) and gguf's tensor-name map. What
+    transformers loads is unchanged: the weights pass runs as it is."""
+    import copy
+    import functools
+
+    import gguf
+    import torch
+    import transformers.modeling_gguf_pytorch_utils as tf_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from offload.models import gguf as ours
+    from offload.models.gguf import GGUFReader
+    reader = GGUFReader(gemma3_gguf, model_config=False)
+    parsed, target = ours._parse(gemma3_gguf), os.path.realpath(gemma3_gguf)
+    real, real_map, real_load = gguf.GGUFReader, gguf.get_tensor_name_map, tf_gguf.load_gguf_checkpoint
+    metadata: dict[str, dict] = {}
+
+    def load(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return real_load(path, return_tensors=return_tensors, **kwargs)
+        if path not in metadata:
+            metadata[path] = real_load(path)
+        return copy.deepcopy(metadata[path])
+    gguf.GGUFReader = lambda path, *a, **k: parsed if os.path.realpath(path) == target else real(path, *a, **k)
+    gguf.get_tensor_name_map = functools.lru_cache(None)(real_map)
+    tf_gguf.load_gguf_checkpoint = load
+    d, f = os.path.dirname(gemma3_gguf), os.path.basename(gemma3_gguf)
+    try:
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map, tf_gguf.load_gguf_checkpoint = real, real_map, real_load
+    return reader, model.eval(), tok

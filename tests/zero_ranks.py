@@ -22,6 +22,9 @@ import offload  # noqa: E402
 
 def make_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind.startswith("checkpoint:"):  # "checkpoint:DIR": our decoder loaded from DIR
+        from offload.models import load_model
+        return load_model(kind.partition(":")[2])
     if kind in ("tiny", "lora"):
         from offload.models import build_model, preset
         model = build_model(preset("tiny"), device="cpu", source=0)

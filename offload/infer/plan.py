@@ -45,13 +45,15 @@ WORKSPACE_FIXED_BYTES = 64 << 20  # allocator slack, rotary tables, small tempor
 
 
 def workspace_bytes(hidden: int, intermediate: int, heads: int, vocab: int, context: int,
-                    batch: int, itemsize: int) -> int:
+                    batch: int, itemsize: int, score_copies: int = 1) -> int:
     """Peak activation bytes of one forward over `batch` sequences of `context` tokens (prefill
-    is the peak): a few hidden-sized tensors, the MLP's intermediate tensors, the attention
-    scores SDPA's math path may materialise, and last-position logits in fp32. 25% margin."""
+    is the peak): a few hidden-sized tensors (`hidden`: the widest of the model's hidden size and
+    its attention width), the MLP's intermediate tensors, the attention scores SDPA's math path
+    may materialise (`score_copies` of them live at once: 3 for soft-capped scores, which
+    Gemma 2 computes in the composite), and last-position logits in fp32. 25% margin."""
     tokens = batch * context
     hidden_bytes = tokens * (6 * hidden + 3 * intermediate) * itemsize
-    scores = batch * heads * context * context * max(itemsize, 4)
+    scores = score_copies * batch * heads * context * context * max(itemsize, 4)
     logits = batch * vocab * 4 * 2
     return int(1.25 * (hidden_bytes + scores + logits))
 

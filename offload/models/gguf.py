@@ -3,31 +3,43 @@
 A GGUF file holds a model's hyper-parameters and tokenizer as metadata and its tensors in
 llama.cpp's layouts (plain F32/F16/BF16, or blocks of quantized values with per-block scales).
 `GGUFReader` turns it into what the rest of the code already knows:
-- `.config`: a ModelConfig, from the `<arch>.*` metadata, checked against the tensors present
-  (count, shapes, types) before anything is built: a 1 KB file that claims 10^7 layers is
-  refused at once, not after minutes of allocation;
+- `.hf_config`: the Hugging Face config dict of the file's architecture (llama, mistral, qwen2,
+  qwen3, gemma2, gemma3, phi3; offload/models/gguf_names.py), and `.config`, the ModelConfig
+  built from it, checked against the tensors present (count, shapes, types) before anything is
+  built: a 1 KB file that claims 10^7 layers is refused at once, not after minutes of allocation;
 - `.read_tensors_into({hf_name: tensor})`: the CheckpointReader interface the model builder and
   the engine fill parameters through. Each tensor is dequantized on its own into the
-  destination's dtype (never the whole model at once); llama.cpp's converter interleaves the
-  rotary halves of q_proj/k_proj rows per head, so those rows are put back in Hugging Face order;
-- `.tokenizer_files()`: the Hugging Face tokenizer files the metadata implies (tokenizer.json
-  built with `tokenizers`, tokenizer_config.json with the chat template, special_tokens_map.json,
-  generation_config.json), so `offload.data.tokenizer.Tokenizer` and an export treat it like any
-  checkpoint.
+  destination's dtype (never the whole model at once), then given back the values Hugging Face
+  stores (Llama q/k rows un-interleaved, Gemma norms minus 1, in float32);
+- `.tokenizer_files()`: the Hugging Face tokenizer files the metadata implies
+  (offload/models/gguf_tokenizer.py), so `offload.data.tokenizer.Tokenizer` and an export treat
+  it like any checkpoint.
 `gguf_checkpoint_dir` converts a file once into a Hugging Face directory in a cache; the runners
 use that, because the streamer reads NVMe-resident blocks as raw safetensors byte ranges.
 
-Dequantization uses `gguf.quants.dequantize` (numpy): 8-16 ms for a 1536x576 Q4_1 tensor on
-this project's 2-core CPU, ~1.5 s for all of SmolLM2-135M — far below reading and converting
-the rest, so no second implementation is kept.
+Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K (today's Q4_K_M / Q5_K_M / Q6_K files), dequantized by `gguf.quants.dequantize`
+itself, so the values are llama.cpp's own. Before the package parses the file, the tensor table
+is walked here: a row length that is not a whole number of its type's blocks (256 values for K
+types), a tensor whose shape needs more bytes than lie before the next tensor or the end of the
+file, or a type id the package does not know is refused in one line naming the file, tensor and
+type. Quantized blocks are *converted once*: `--quantize int8|int4` takes Q8_0 (int8) and
+Q4_0/Q4_1 (int4) blocks as they are stored, and dequantizes every other type (K-quants, Q5) to
+float32 then quantizes it into the project's own format (offload/quant/format.py). No kernel of
+ours computes on K-blocks as stored. What converting costs, on Gemma 3 270M Q4_K_M's 117
+Q4_K/Q6_K/Q5_0 tensors (scripts/bench_kquant.py, AMD EPYC, 2 shared cores): relative RMS error
+against the file's values 0.5-0.6% for int8 group 32, 4.4-8.2% for int4 group 32, 8.5-9.5% for
+int4 group 64; dequantizing 4-24 ms per MB of blocks; all 117 converted in ~3 s, once per file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
+import struct
 import sys
 import threading
 from typing import Any, Iterator, Mapping
@@ -37,34 +49,13 @@ import torch
 
 from nvme.format import content_digest, held_lock
 from offload.models.config import ConfigError, ModelConfig, parameter_shapes
-from offload.models.hf import CONVERTED_FROM_NAME, CheckpointError
+from offload.models.gguf_names import (ARCHITECTURES, CONSUMED, GGUFError, expected_shapes, fix_values,
+                                       hf_config, hf_name, unpermute_rows)
+from offload.models.gguf_tokenizer import tokenizer_files
+from offload.models.hf import CONVERTED_FROM_NAME
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
-# gguf block name -> our name inside model.layers.N
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-# Pre-tokenizer split patterns by `tokenizer.ggml.pre`, as the models' own tokenizer.json files
-# write them (byte-level BPE vocabularies whose merges were learned on these splits); any other
-# value gets the GPT-2 split that ByteLevel applies itself.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-           "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-
-
-class GGUFError(CheckpointError):
-    """A GGUF file cannot be used; the message names the file (and tensor) and what to do."""
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _gguf():
@@ -100,17 +91,16 @@ def _parse(path: str):
         return reader
 
 
+# ---- the tensor table, walked before the package's parse -------------------------------------------
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def _bytes_needed(path: str) -> int | None:
-    """The length a GGUF file must have to hold every tensor its header lists, read by skipping
-    over the metadata without decoding it (milliseconds, where the gguf package's parse takes
-    seconds): so a download cut short is named before that parse. None when the header is not
-    one this skipper follows (big-endian, an unknown type): the package's parse decides then."""
+def _tensor_table(path: str) -> tuple[int, list[tuple[str, tuple[int, ...], int, int]]] | None:
+    """(where the tensor data starts, [(name, dims ne0 first, ggml type id, offset)]) read by
+    skipping over the metadata without decoding it (milliseconds, where the gguf package's parse
+    takes seconds). None when the header is not one this skipper follows (big-endian, an unknown
+    value type, cut inside the header): the package's parse decides then."""
     import mmap
-    import struct
-    gguf = _gguf()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         try:
             magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", m, 0)
@@ -120,6 +110,8 @@ def _bytes_needed(path: str) -> int | None:
 
             def string(pos: int) -> tuple[bytes, int]:
                 (n,) = struct.unpack_from("<Q", m, pos)
+                if pos + 8 + n > len(m):
+                    raise ValueError(n)
                 return m[pos + 8:pos + 8 + n], pos + 8 + n
 
             def skip(vtype: int, pos: int) -> int:
@@ -143,18 +135,54 @@ def _bytes_needed(path: str) -> int | None:
                 if key == b"general.alignment" and vtype == 4:
                     (alignment,) = struct.unpack_from("<I", m, pos + 4)
                 pos = skip(vtype, pos + 4)
-            end = 0
+            table = []
             for _ in range(n_tensors):
-                _, pos = string(pos)
+                name, pos = string(pos)
                 (n_dims,) = struct.unpack_from("<I", m, pos)
+                if n_dims > 8:
+                    raise ValueError(n_dims)
                 dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
                 ttype, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
                 pos += 4 + 8 * n_dims + 12
-                block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-                end = max(end, offset + int(np.prod(dims, dtype=np.int64)) // block * type_bytes)
-        except (struct.error, ValueError, KeyError, IndexError, OverflowError):
+                table.append((name.decode("utf-8", "replace"), tuple(dims), ttype, offset))
+        except (struct.error, ValueError, IndexError, OverflowError):
             return None
-        return -(-pos // alignment) * alignment + end
+        return -(-pos // max(alignment, 1)) * max(alignment, 1), table
+
+
+def _check_table(path: str) -> None:
+    """Refuse, in one line naming the tensor and its type, a file whose tensor table does not
+    fit: an unknown type, rows that are not whole blocks, a shape needing more bytes than lie
+    before the next tensor, or than the file holds (a download cut short)."""
+    walked = _tensor_table(path)
+    if walked is None:
+        return
+    start, table = walked
+    gguf, size = _gguf(), os.path.getsize(path)
+    spans = []
+    for name, dims, type_id, offset in table:
+        try:
+            kind = gguf.GGMLQuantizationType(type_id)
+            block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{path}: tensor {name} has ggml type id {type_id}, unknown to the gguf "
+                            f"package (supported: {', '.join(SUPPORTED_TYPES)})") from None
+        if dims and dims[0] % block:
+            raise GGUFError(f"{path}: tensor {name} is {kind.name} with rows of {dims[0]} values, not a "
+                            f"whole number of its {block}-value blocks; the file is malformed")
+        nbytes = math.prod(dims) // block * type_bytes
+        spans.append((start + offset, start + offset + nbytes, name, kind.name, list(reversed(dims))))
+    spans.sort()
+    end = max((s[1] for s in spans), default=start)
+    for k, (begin, stop, name, kind, shape) in enumerate(spans):
+        if stop > size:
+            raise GGUFError(f"{path}: cannot be read as GGUF (the file is {size} bytes, its tensors end "
+                            f"at byte {end}; tensor {name} ({kind}, shape {shape}) needs bytes {begin} to "
+                            f"{stop}); truncated or damaged? download it again")
+        if k + 1 < len(spans) and stop > spans[k + 1][0]:
+            raise GGUFError(f"{path}: tensor {name} ({kind}, shape {shape}) needs {stop - begin} bytes "
+                            f"from byte {begin}, past the start of tensor {spans[k + 1][2]} at byte "
+                            f"{spans[k + 1][0]}: its shape does not match its data; the file is malformed")
 
 
 def is_gguf(path: str) -> bool:
@@ -166,43 +194,50 @@ def is_gguf(path: str) -> bool:
         return False
 
 
-def _hf_name(name: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
-
-
 class GGUFReader:
-    """An open GGUF file: its config, tensors by our names, reads into buffers, tokenizer files."""
+    """An open GGUF file: its config, tensors by our names, reads into buffers, tokenizer files.
+    `model_config=False` stops at the Hugging Face config dict (`.config` is None; the tensors
+    are checked against the shapes that dict implies): for architectures ModelConfig refuses."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, model_config: bool = True):
         self.path = os.fspath(path)
         _gguf()
         if not is_gguf(self.path):
             raise GGUFError(f"{self.path}: not a GGUF file (it does not start with 'GGUF')")
-        need, size = _bytes_needed(self.path), os.path.getsize(self.path)
-        if need is not None and size < need:
-            raise GGUFError(f"{self.path}: cannot be read as GGUF (the file is {size} bytes, its "
-                            f"tensors end at byte {need}); truncated or damaged? download it "
-                            f"again")
+        _check_table(self.path)
         try:
             self._reader = _parse(self.path)
         except Exception as e:  # noqa: BLE001 - the package raises ValueError/struct/IndexError alike
             raise GGUFError(f"{self.path}: cannot be read as GGUF ({str(e)[:200]}); truncated or "
                             f"damaged? download it again") from None
         self.metadata = {k: f for k, f in self._reader.fields.items()}
+        self.arch = self.meta("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise GGUFError(f"{self.path}: architecture {self.arch!r} is not supported "
+                            f"(supported: {', '.join(ARCHITECTURES)})")
+        self._by_gguf = {t.name: t for t in self._reader.tensors}
         self.tensors = {}  # our name -> gguf ReaderTensor
         self.unexpected: list[str] = []
         for t in self._reader.tensors:
-            name = _hf_name(t.name)
-            if name is None:
-                self.unexpected.append(t.name)
-            else:
+            name = hf_name(self.arch, t.name)
+            if name is not None:
                 self.tensors[name] = t
-        self.config = self._read_config()
+            elif t.name not in CONSUMED.get(self.arch, ()):
+                self.unexpected.append(t.name)
+        if "rope_freqs.weight" in self._by_gguf:
+            # llama.cpp stores Llama 3.1+'s RoPE scaling as per-dimension factors in this tensor
+            # (no rope.scaling metadata): ignoring it would load the model with plain RoPE
+            raise GGUFError(f"{self.path}: its RoPE scaling is stored as the tensor rope_freqs "
+                            f"(Llama 3.1+ GGUFs), which is not supported; use the model's Hugging "
+                            f"Face directory instead")
+        self.hf_config = hf_config(self.arch, self.meta, set(self._by_gguf), self._layers(),
+                                   self._vocab_size(), self.read_raw, self.path)
+        self.config: ModelConfig | None = None
+        if model_config:
+            try:
+                self.config = ModelConfig.from_hf(self.hf_config, source=self.path)
+            except ConfigError as e:
+                raise GGUFError(str(e)) from None
         self._check_tensors()
 
     # ---- metadata -----------------------------------------------------------------------------
@@ -215,57 +250,28 @@ class GGUFReader:
         except Exception:  # noqa: BLE001 - a malformed value
             raise GGUFError(f"{self.path}: metadata {key!r} cannot be decoded") from None
 
-    def _read_config(self) -> ModelConfig:
-        arch = self.meta("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise GGUFError(f"{self.path}: architecture {arch!r} is not supported "
-                            f"(supported: {', '.join(ARCHITECTURES)})")
-        a = lambda key, default=None: self.meta(f"{arch}.{key}", default)  # noqa: E731
-        layers = a("block_count")
+    def _layers(self) -> int:
+        layers = self.meta(f"{self.arch}.block_count")
         present = {int(m.group(1)) for n in self.tensors
                    for m in [re.match(r"model\.layers\.(\d+)\.", n)] if m}
-        if not isinstance(layers, int) or layers < 1 or present != set(range(layers)):
-            raise GGUFError(f"{self.path}: {arch}.block_count says {layers} blocks but the file holds "
-                            f"tensors for {len(present)}; the file is damaged or not a complete model")
-        heads = a("attention.head_count")
-        hidden = a("embedding_length")
-        head_dim = a("attention.key_length") or a("rope.dimension_count") or 0
-        vocab = a("vocab_size") or len(self.meta("tokenizer.ggml.tokens", []) or [])
+        if type(layers) is not int or layers < 1 or present != set(range(layers)):
+            raise GGUFError(f"{self.path}: {self.arch}.block_count says {layers} blocks but the file "
+                            f"holds tensors for {len(present)}; the file is damaged or not a complete model")
+        return layers
+
+    def _vocab_size(self) -> int:
+        vocab = self.meta(f"{self.arch}.vocab_size")
+        if not vocab and "tokenizer.ggml.tokens" in self.metadata:
+            vocab = len(self.metadata["tokenizer.ggml.tokens"].data)
         embed = self.tensors.get("model.embed_tokens.weight")
         if not vocab and embed is not None:
             vocab = int(embed.shape[-1])
-        hf: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[arch]], "vocab_size": vocab, "hidden_size": hidden,
-            "intermediate_size": a("feed_forward_length"), "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": a("attention.head_count_kv", heads),
-            "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-5),
-            "rope_theta": a("rope.freq_base", 10000.0),
-            "max_position_embeddings": a("context_length", 2048),
-            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
-            "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
-            "pad_token_id": self.meta("tokenizer.ggml.padding_token_id"),
-        }
-        if head_dim and heads and head_dim != hidden // heads:
-            hf["head_dim"] = head_dim
-        if any(n.endswith("q_proj.bias") for n in self.tensors) and arch == "llama":
-            hf["attention_bias"] = True
-        scaling = a("rope.scaling.type")
-        if scaling not in (None, "none"):
-            if scaling != "linear":
-                raise GGUFError(f"{self.path}: RoPE scaling {scaling!r} in GGUF metadata is not supported")
-            hf["rope_scaling"] = {"rope_type": "linear", "factor": a("rope.scaling.factor")}
-        if arch == "mistral" and a("attention.sliding_window"):
-            hf["sliding_window"] = a("attention.sliding_window")
-        self.hf_config = {k: v for k, v in hf.items() if v is not None}
-        try:
-            return ModelConfig.from_hf(self.hf_config, source=self.path)
-        except ConfigError as e:
-            raise GGUFError(str(e)) from None
+        return vocab
 
     def _check_tensors(self) -> None:
         gguf = _gguf()
-        expected = parameter_shapes(self.config)
+        expected = parameter_shapes(self.config) if self.config is not None else \
+            expected_shapes(self.arch, self.hf_config, self.tensors)
         for name, shape in expected.items():
             t = self.tensors.get(name)
             if t is None:
@@ -283,36 +289,42 @@ class GGUFReader:
 
     # ---- tensors ------------------------------------------------------------------------------
     def unpermute_rows(self, name: str, w: np.ndarray) -> np.ndarray:
-        """llama.cpp stores q/k rows of each head as interleaved (even, odd) rotary pairs;
-        Hugging Face stores the two halves one after the other. w [heads*head_dim, ...]."""
-        cfg = self.config
-        if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
-            heads = cfg.num_attention_heads
-        elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
-            heads = cfg.num_key_value_heads
-        else:
-            return w
-        if cfg.architecture == "Qwen2ForCausalLM":  # llama.cpp keeps Qwen2 rows as they are
-            return w
-        half = w.shape[0] // heads // 2
-        return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        """Rows of q/k tensor `name` (our name) in Hugging Face order (gguf_names.unpermute_rows)."""
+        return unpermute_rows(self.arch, self.hf_config, name, w)
+
+    def read_raw(self, gguf_name: str) -> np.ndarray:
+        """Tensor `gguf_name` (the file's name) as `gguf.quants.dequantize` gives it, float32 in
+        PyTorch's dimension order: llama.cpp's values, nothing undone."""
+        gguf = _gguf()
+        t = self._by_gguf.get(gguf_name)
+        if t is None:
+            raise GGUFError(f"{self.path}: no tensor {gguf_name!r}")
+        kind = gguf.GGMLQuantizationType(t.tensor_type)
+        dims = [int(d) for d in t.shape]
+        block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
+        data = np.asarray(t.data)
+        need = math.prod(dims) // block * type_bytes
+        if dims[0] % block or data.nbytes != need:
+            raise GGUFError(f"{self.path}: tensor {t.name} ({kind.name}, shape {dims[::-1]}) holds "
+                            f"{data.nbytes} bytes where its shape needs {need} in whole "
+                            f"{block}-value blocks; the file is truncated or malformed")
+        try:
+            w = gguf.quants.dequantize(data, kind)
+        except Exception as e:  # noqa: BLE001 - a short file maps fewer bytes than the header says
+            raise GGUFError(f"{self.path}: tensor {t.name} ({kind.name}) cannot be read "
+                            f"({str(e)[:200]}); the file is truncated or damaged") from None
+        w = np.asarray(w, dtype=np.float32).reshape(dims[::-1])
+        if not w.flags.writeable:  # F32 data is a view of the read-only file mapping
+            w = w.copy()
+        return w
 
     def read_array(self, name: str) -> np.ndarray:
-        """Tensor `name` (our name) dequantized to float32, in our shape and row order."""
-        gguf = _gguf()
+        """Tensor `name` (our name) dequantized to float32, with the values and row order
+        Hugging Face stores (gguf_names.fix_values)."""
         t = self.tensors.get(name)
         if t is None:
             raise GGUFError(f"{self.path}: no tensor {name!r}")
-        shape = tuple(int(d) for d in reversed(list(t.shape)))
-        try:
-            w = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType(t.tensor_type))
-        except Exception as e:  # noqa: BLE001 - a short file maps fewer bytes than the header says
-            raise GGUFError(f"{self.path}: tensor {t.name} cannot be read ({str(e)[:200]}); the file "
-                            f"is truncated or damaged") from None
-        w = np.asarray(w, dtype=np.float32).reshape(shape)
-        if not w.flags.writeable:  # F32 data is a view of the read-only file mapping
-            w = w.copy()
-        return self.unpermute_rows(name, w)
+        return fix_values(self.arch, self.hf_config, t.name, name, self.read_raw(t.name))
 
     def read_tensors_into(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Fill each destination (any device and float dtype, our shape), one tensor at a time."""
@@ -330,61 +342,8 @@ class GGUFReader:
     # ---- tokenizer ----------------------------------------------------------------------------
     def tokenizer_files(self) -> dict[str, str | dict]:
         """The Hugging Face tokenizer files this file's metadata describes."""
-        kind = self.meta("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise GGUFError(f"{self.path}: tokenizer type {kind!r} is not supported yet (byte-level "
-                            f"BPE 'gpt2' is); convert the model with its tokenizer.json instead")
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-        tokens = list(self.meta("tokenizer.ggml.tokens", []))
-        types = list(self.meta("tokenizer.ggml.token_type", []) or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges", [])]
-        byte_chars = set(pre_tokenizers.ByteLevel.alphabet())
-        vocab: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
-            if set(tok) <= byte_chars:
-                vocab.setdefault(tok, i)
-            else:  # a token written as plain text (some converters do): spell it in byte-level
-                spelled = "".join(_BYTE_TO_CHAR[b] for b in tok.encode("utf-8"))
-                vocab.setdefault(spelled, i)
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        split = _SPLITS.get(self.meta("tokenizer.ggml.pre"))
-        if split is None:
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tok.decoder = decoders.ByteLevel()
-        control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
-                   if k == _CONTROL and set(t) <= byte_chars]
-        user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
-                if k == _USER_DEFINED and t in vocab]
-        tok.add_special_tokens(control)
-        tok.add_tokens(user)
-        special = {name: tokens[i] for name, key in (("bos_token", "bos_token_id"),
-                                                     ("eos_token", "eos_token_id"),
-                                                     ("unk_token", "unknown_token_id"),
-                                                     ("pad_token", "padding_token_id"))
-                   for i in [self.meta(f"tokenizer.ggml.{key}")] if isinstance(i, int) and 0 <= i < len(tokens)}
-        add_bos = bool(self.meta("tokenizer.ggml.add_bos_token", False))
-        add_eos = bool(self.meta("tokenizer.ggml.add_eos_token", False))
-        single = ([special["bos_token"]] if add_bos and "bos_token" in special else []) + ["$A"] + \
-                 ([special["eos_token"]] if add_eos and "eos_token" in special else [])
-        used = {s: vocab.get(s, tok.token_to_id(s)) for s in single if s != "$A"}
-        tok.post_processor = processors.TemplateProcessing(single=single, pair=single + ["$B"],
-                                                           special_tokens=list(used.items()))
-        config: dict[str, Any] = dict(special, add_bos_token=add_bos, add_eos_token=add_eos,
-                                      tokenizer_class="PreTrainedTokenizerFast",
-                                      model_max_length=self.config.max_position_embeddings)
-        template = self.meta("tokenizer.chat_template")
-        if isinstance(template, str) and template:
-            config["chat_template"] = template
-        generation = {k: v for k, v in (("bos_token_id", self.config.bos_token_id),
-                                        ("eos_token_id", self.meta("tokenizer.ggml.eos_token_id")),
-                                        ("pad_token_id", self.config.pad_token_id)) if v is not None}
-        return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": config,
-                "special_tokens_map.json": special, "generation_config.json": generation}
+        return tokenizer_files(self.meta, self.arch, self.hf_config.get("max_position_embeddings"),
+                               self.path)
 
     # ---- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -395,23 +354,6 @@ class GGUFReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _bytes_to_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the alphabet byte-level BPE vocabularies use)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_TO_CHAR = _bytes_to_chars()
 
 
 # ---- conversion to a Hugging Face directory -----------------------------------------------------

@@ -110,12 +110,20 @@ class ActivationEstimate:
 
 def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtype
                               ) -> ActivationEstimate:
-    """Estimate for a Llama-family block: Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) bytes at
-    16 bits (attention scores counted; SDPA's fused kernels keep less), scaled to the dtype;
-    logits [b, s, vocab] in fp32 twice (value and gradient)."""
+    """Estimate for a decoder block: Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) bytes at 16 bits
+    (attention scores counted; SDPA's fused kernels keep less), scaled to the dtype, plus what
+    the families add to the Llama block: attention wider than hidden (Gemma, Qwen3), an MLP
+    wider than 4h, q/k norms' inputs, Gemma's two more norms, and soft-capped scores (Gemma 2's
+    composite keeps the capped scores and their tanh as well); logits [b, s, vocab] in fp32
+    twice (value and gradient)."""
     h, a = model_cfg.hidden_size, model_cfg.num_attention_heads
+    q, kv, f = model_cfg.q_size, model_cfg.kv_size, model_cfg.intermediate_size
+    extra = 11 * max(0, q - h) + 19 * max(0, f - 4 * h) / 4  # per token, 16-bit units
+    extra += 2 * (q + 2 * kv) if model_cfg.qk_norm else 0
+    extra += 4 * h if model_cfg.sandwich_norms else 0
+    score_units = 9 if model_cfg.attn_logit_softcapping else 5
     scale = dtype.itemsize / 2
-    full = int(seq * batch * h * (34 + 5 * a * seq / h) * scale)
+    full = int(seq * batch * (h * 34 + extra + score_units * a * seq) * scale)
     return ActivationEstimate(full=full, input=seq * batch * h * dtype.itemsize,
                               head=2 * batch * seq * model_cfg.vocab_size * 4)
 
