@@ -11,7 +11,11 @@ its Q8_0 ones, which int8 takes as they are):
       tensors together; the worst single tensor's in brackets);
   (b) time: gguf.quants.dequantize per MB of stored blocks, and offload's quantize (int4 group
       64) per MB of float32 input, for the same tensors (medians of --repeats runs per tensor,
-      summed).
+      summed);
+  (c) the other way, computing from the blocks as stored: one batch-1 decode product with the
+      largest tensor of each type, its K-blocks dequantized by the package at every call (what
+      "as stored" costs without a kernel of our own), against the same product on the blocks
+      converted once (int8 g32, int4 g64: offload's CPU kernels) and on fp32 weights.
 The CPU model (`lscpu`'s "Model name") and the threads are printed with the table.
 
     python scripts/bench_kquant.py                  # fetches the file once (scripts/fetch_gemma3.py)
@@ -88,6 +92,32 @@ def bench_type(reader: GGUFReader, kind: str, repeats: int) -> dict:
             "err": {n: (e["max"], math.sqrt(e["sq"] / ref_sq), e["worst"]) for n, e in err.items()}}
 
 
+def bench_product(reader: GGUFReader, kind: str, repeats: int) -> list[str] | None:
+    """One batch-1 product [1, in] @ W^T per way of holding W (medians of `repeats` x 20 calls)."""
+    import gguf
+
+    from offload.quant.matmul import quant_linear
+    tensors = [t for t in reader._reader.tensors if t.tensor_type.name == kind and len(t.shape) == 2]
+    if not tensors:
+        return None
+    t = max(tensors, key=lambda t: int(t.n_elements))
+    data = np.asarray(t.data)
+    w = torch.from_numpy(reader.read_raw(t.name))
+    x = torch.randn(1, w.shape[1])
+    converted = {name: quantize(w, SPECS[name]) for name in ("int8 g32", "int4 g64")}
+
+    def as_stored():
+        return torch.nn.functional.linear(x, torch.from_numpy(
+            gguf.quants.dequantize(data, t.tensor_type).reshape(w.shape)))
+
+    def product(name):
+        return lambda: quant_linear(x, converted[name], SPECS[name], w.shape[1])
+    ways = [as_stored, product("int8 g32"), product("int4 g64"), lambda: torch.nn.functional.linear(x, w)]
+    with torch.inference_mode():
+        ms = [1e3 * timed(lambda f=f: [f() for _ in range(20)], repeats) / 20 for f in ways]
+    return [kind, f"{t.name} {list(w.shape)}"] + [f"{v:.3f}" for v in ms] + [f"{ms[0] / ms[1]:.0f}x"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", help="a GGUF file (default: the Gemma 3 270M Q4_K_M, fetched once)")
@@ -117,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {kind} | {r['tensors']} | {r['stored_mb']:.1f} | {r['deq_ms_per_mb']:.1f} | "
               f"{r['quant_ms_per_mb']:.1f} | {cells} |")
     print(f"# converting all these tensors once (dequantize + quantize int4 g64): {total:.2f} s")
+    print("\n| type | tensor [out, in] | as stored: dequantize + product ms | int8 g32 ms | "
+          "int4 g64 ms | fp32 ms | as stored / int8 |")
+    print("|---|---|---|---|---|---|---|")
+    for kind in args.types.split(","):
+        row = bench_product(reader, kind.strip(), args.repeats)
+        if row:
+            print("| " + " | ".join(row) + " |")
     return 0
 
 
