@@ -340,6 +340,18 @@ class SafetensorsFile:
         self.verify(name, out)
         return out
 
+    def read_bytes_into(self, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` (contiguous CPU) with the bytes at absolute `offset`: part of a tensor,
+        for a caller that splits one stored tensor into several (a fused MoE experts tensor, one
+        range per expert). Not checked against a CRC-32C: the file keeps those for whole tensors."""
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"{self.path}: reading bytes at {offset} needs a contiguous CPU buffer")
+        nbytes = out.numel() * out.element_size()
+        if nbytes:
+            preadinto(self._fd, tensor_bytes(out), offset, self.path)
+        self.bytes_read += nbytes
+        return out
+
     def verify(self, name: str, out: torch.Tensor) -> None:
         """Check tensor `name`'s bytes just read into `out` against the CRC-32C the file carries
         for it (nothing to check in a file written without checksums)."""

@@ -30,7 +30,8 @@ from offload import kernel_trust
 from offload.config import format_bytes, read_regular_file
 from offload.infer.generate import SamplingParams, check_prompts, generate
 from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
-                            norm_init_value, num_block_params, num_params, parameter_shapes, preset, save_pretrained)
+                            norm_init_value, num_active_params, num_block_params, num_params,
+                            parameter_shapes, preset, save_pretrained)
 from offload.infer.plan import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
 from offload.models import kernels, load_streamed
@@ -276,7 +277,8 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
     block = plan.block_bytes[0] if plan.block_bytes else 0
     kind = (dtype_label(dtype) if quant is None else
             f"{args.quantize} (projections; the rest {dtype_label(dtype)})")
-    print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params, "
+    active = f" ({num_active_params(cfg) / 1e9:.2f}B active)" if cfg.num_experts else ""
+    print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params{active}, "
           f"{cfg.num_hidden_layers} blocks of {format_bytes(block)} in {kind}) on "
           f"{device}", file=sys.stderr)
     print(plan.describe(links if measured else None), file=sys.stderr)

@@ -42,9 +42,27 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
 }
 
 
+# mixture-of-experts cases (tests/test_moe.py): 8 experts, top-2; Qwen3-MoE with every option its
+# class has (bias, a window on every layer, renormalised top-k, head_dim != hidden/heads), OLMoE
+# with clip_qkv (which clips here), Mixtral with a window. Expert widths are multiples of 32:
+# torch's SiLU rounds a strided input of other widths differently from a contiguous one, and
+# transformers applies it to a half of its fused gate_up product (our experts are separate).
+MOE = dict(num_experts_per_tok=2, intermediate_size=64, num_hidden_layers=3)
+MOE_FAMILIES: dict[str, tuple[type, type, dict]] = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  {**MOE, "num_experts": 8, "moe_intermediate_size": 32, "head_dim": 24,
+                   "norm_topk_prob": True, "attention_bias": True, "use_sliding_window": True,
+                   "sliding_window": 6, "rope_theta": 1e6}),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
+              {**MOE, "num_experts": 8, "clip_qkv": 1.5, "router_aux_loss_coef": 0.05}),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                {**MOE, "num_local_experts": 8, "sliding_window": 9}),
+}
+
+
 def random_family_model(name: str, seed: int = 0) -> torch.nn.Module:
     """A transformers model of family case `name` with every weight random, in eval mode, fp32."""
-    cfg_cls, model_cls, overrides = FAMILIES[name]
+    cfg_cls, model_cls, overrides = {**FAMILIES, **MOE_FAMILIES}[name]
     torch.manual_seed(seed)
     overrides = {k: (dict(v) if isinstance(v, dict) else v) for k, v in overrides.items()}  # transformers mutates them
     hf = model_cls(cfg_cls(**{**SMALL, **overrides})).eval()
@@ -64,3 +82,58 @@ def save_family_checkpoint(name: str, path: str | os.PathLike, seed: int = 0, sh
     hf = random_family_model(name, seed).to(dtype)
     hf.save_pretrained(path, **({"max_shard_size": "40KB"} if sharded else {}))
     return hf
+
+
+def greedy_reference(hf, prompt: list[int], short: list[int], new: int) -> dict[str, list[list[int]]]:
+    """transformers' greedy continuations: of `prompt` alone ("single"), and of `prompt` and
+    `short` as one left-padded batch ("batch"; LongRoPE picks its factors by the batch's largest
+    position, so a batched row may differ from the same row alone)."""
+    pad = len(prompt) - len(short)
+    ids = torch.tensor([prompt, [0] * pad + short])
+    mask = torch.tensor([[1] * len(prompt), [0] * pad + [1] * len(short)])
+    with torch.no_grad():
+        single = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        batch = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+    return {"single": single[:, len(prompt):].tolist(), "batch": batch[:, len(prompt):].tolist()}
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+class Case:
+    """One family case: its checkpoint directory and transformers' model of the same weights,
+    checked against on a long teacher-forced batch, a short row, and greedy continuations of
+    `prompt` and `short` (transformers' computed once)."""
+
+    def __init__(self, name: str, path: str, prompt: list[int], short: list[int], long_ids: torch.Tensor,
+                 new: int, atol: float = 1e-5):
+        self.name, self.path = name, path
+        self.prompt, self.short, self.long_ids, self.new, self.atol = prompt, short, long_ids, new, atol
+        self.hf = save_family_checkpoint(name, path)
+        self.hf.generation_config.eos_token_id = None  # generate every token, as ours is asked to
+        self._greedy: dict[str, list[list[int]]] | None = None
+
+    def greedy(self) -> dict[str, list[list[int]]]:
+        if self._greedy is None:
+            self._greedy = greedy_reference(self.hf, self.prompt, self.short, self.new)
+        return self._greedy
+
+    def check(self, model, streamer=None, hf=None, tokens: dict | None = None, single: bool = False) -> None:
+        """`model`'s logits within atol of transformers' (`hf`, default the case's) on the long
+        batch and the short row; its greedy tokens for prompt and short as one left-padded batch
+        (and for prompt alone if `single`) equal to transformers' (`tokens`, default the case's)."""
+        from offload.infer.generate import generate
+        hf = hf if hf is not None else self.hf
+        with torch.no_grad():
+            for ids in (self.long_ids, torch.tensor([self.short])):
+                torch.testing.assert_close(model(ids), hf_logits(hf, ids), rtol=0, atol=self.atol)
+            want = tokens if tokens is not None else self.greedy()
+            got = generate(model, [self.prompt, self.short], max_new_tokens=self.new, streamer=streamer).tokens
+            assert got == want["batch"], self.name
+            if single:
+                got = generate(model, [self.prompt], max_new_tokens=self.new, streamer=streamer).tokens
+                assert got == want["single"], self.name

@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from families import FAMILIES, VOCAB, save_family_checkpoint  # noqa: E402
+from families import FAMILIES, VOCAB, Case, greedy_reference, hf_logits, save_family_checkpoint  # noqa: E402
 from nvme.format import SafetensorsFile  # noqa: E402
 from offload.infer.generate import generate  # noqa: E402
 from offload.models import (CheckpointError, CheckpointReader, ConfigError, ModelConfig,  # noqa: E402
@@ -45,62 +45,18 @@ LONG_IDS = torch.randint(3, VOCAB, (2, 21), generator=_gen)  # a teacher-forced 
 ATOL = 1e-5
 
 
-class Case:
-    """One family case: its checkpoint directory and transformers' model of the same weights,
-    with transformers' greedy continuations computed once."""
-
-    def __init__(self, name: str, path: str):
-        self.name, self.path = name, path
-        self.hf = save_family_checkpoint(name, path)
-        self.hf.generation_config.eos_token_id = None  # generate every token, as ours is asked to
-        self._greedy: dict[str, list[list[int]]] | None = None
-
-    def greedy(self) -> dict[str, list[list[int]]]:
-        if self._greedy is None:
-            self._greedy = hf_greedy(self.hf)
-        return self._greedy
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, Case]:
+    return {name: Case(name, str(tmp_path_factory.mktemp(name)), PROMPT, SHORT, LONG_IDS, NEW, ATOL)
+            for name in NAMES}
 
 
 def hf_greedy(hf) -> dict[str, list[list[int]]]:
-    """transformers' greedy continuations: of PROMPT alone ("single"), and of PROMPT and SHORT as
-    one left-padded batch ("batch"; LongRoPE picks its factors by the batch's largest position,
-    so a batched row may differ from the same row alone)."""
-    pad = len(PROMPT) - len(SHORT)
-    ids = torch.tensor([PROMPT, [0] * pad + SHORT])
-    mask = torch.tensor([[1] * len(PROMPT), [0] * pad + [1] * len(SHORT)])
-    with torch.no_grad():
-        single = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        batch = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-    return {"single": single[:, len(PROMPT):].tolist(), "batch": batch[:, len(PROMPT):].tolist()}
+    return greedy_reference(hf, PROMPT, SHORT, NEW)
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory) -> dict[str, Case]:
-    return {name: Case(name, str(tmp_path_factory.mktemp(name))) for name in NAMES}
-
-
-def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(ids).logits
-
-
-def check_model(model, case: Case, streamer=None, hf=None, tokens: dict | None = None,
-                single: bool = False) -> None:
-    """`model`'s logits within ATOL of transformers' (`hf`, default the case's) on the long
-    batch and a short row; its greedy tokens for PROMPT and SHORT as one left-padded batch (and
-    for PROMPT alone if `single`) equal to transformers' (`tokens`, default the case's)."""
-    hf = hf if hf is not None else case.hf
-    with torch.no_grad():
-        for ids in (LONG_IDS, torch.tensor([SHORT])):
-            torch.testing.assert_close(model(ids), hf_logits(hf, ids), rtol=0, atol=ATOL)
-        want = tokens if tokens is not None else case.greedy()
-        got = generate(model, [PROMPT, SHORT], max_new_tokens=NEW, streamer=streamer).tokens
-        assert got == want["batch"], case.name
-        if single:
-            got = generate(model, [PROMPT], max_new_tokens=NEW, streamer=streamer).tokens
-            assert got == want["single"], case.name
+def check_model(model, case: Case, *args, **kwargs) -> None:
+    case.check(model, *args, **kwargs)
 
 
 # ---- fp32: resident, streamed from RAM and NVMe, the runner -------------------------------------

@@ -244,7 +244,8 @@ def test_unsupported_and_incomplete_directories(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], **SMALL}))
     with pytest.raises(CheckpointError, match=r"config.json: architecture GPT2LMHeadModel is not supported "
                                                   r"\(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                                  r"Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM\)"):
+                                                  r"Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, "
+                                                  r"Qwen3MoeForCausalLM, OlmoeForCausalLM, MixtralForCausalLM\)"):
         CheckpointReader(tmp_path)
     hf = random_hf("LlamaForCausalLM")
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")

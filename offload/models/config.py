@@ -5,7 +5,8 @@ planner sizes buffers from `parameter_shapes`, the checkpoint reader checks tens
 and `llama.py` builds modules from it. One decoder serves every family; the fields below are
 the options a family switches on (Qwen3's q/k norms, Gemma's (1 + w) norms around attention
 and MLP, soft-capping, per-layer sliding windows and RoPE bases, GeGLU, the embedding scale;
-Phi-3's fused projections, partial rotation and LongRoPE). Reading and writing Hugging Face
+Phi-3's fused projections, partial rotation and LongRoPE; OLMoE's whole-projection q/k norms and
+q/k/v clipping; the mixtures of experts' router and experts, moe.py). Reading and writing Hugging Face
 `config.json` per family lives in `families.py`; presets in `presets.py`.
 
 Anything a config asks for that the decoder does not do is refused here in one line naming
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # the per-family rules and config.json spellings (families.py imports nothing from here)
-from offload.models.families import (ARCHITECTURES, ConfigError, check_family, config_fields_from_hf,
-                                     config_to_hf)
+from offload.models.families import (ARCHITECTURES, ROUTERS, ConfigError, check_family,
+                                     config_fields_from_hf, config_to_hf, moe_names)
 
 # RoPE variants and the keys each requires. "longrope" switches between two static sets by the
 # forward's largest position (rope.py); "dynamic" rescales with the running length: refused.
@@ -83,6 +84,17 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: sliding layers' RoPE base (no scaling)
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj
     partial_rotary_factor: float = 1.0  # the fraction of each head's dimensions that rotates
+    # OLMoE: q_norm / k_norm span the whole q_proj / k_proj output ([q_size], [kv_size]), not a head
+    qk_norm_whole: bool = False
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the q/k norms
+    # ---- mixture of experts (Qwen3-MoE, OLMoE, Mixtral; 0 experts: the dense MLP) ----------
+    num_experts: int = 0  # experts per layer, each a gated MLP moe_intermediate_size wide
+    num_experts_per_tok: int = 0  # top-k: the experts each token runs
+    moe_intermediate_size: int = 0  # an expert's width (0: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_router: str = "softmax_topk"  # one of ROUTERS (families.py)
+    # training's load-balancing loss coefficient: not built, carried through config.json
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
         if (self.head_dim == 0 and type(self.num_attention_heads) is int
@@ -92,6 +104,8 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if isinstance(self.layer_types, list):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.moe_intermediate_size == 0 and type(self.num_experts) is int and self.num_experts > 0:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         self.validate()
 
     # ---- validation -------------------------------------------------------------------------
@@ -153,7 +167,35 @@ class ModelConfig:
         if not (_is_number(factor) and 0 < factor <= 1) or int(self.head_dim * factor) % 2:
             raise ConfigError(f"partial_rotary_factor must be in (0, 1] and rotate an even number of "
                               f"dimensions of head_dim {self.head_dim}, got {factor!r}")
+        if self.clip_qkv is not None and not (_is_number(self.clip_qkv) and self.clip_qkv > 0):
+            raise ConfigError(f"clip_qkv must be null or a finite number > 0, got {self.clip_qkv!r}")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ConfigError("qk_norm_whole (norms over the whole q/k projections) needs qk_norm")
+        self._validate_moe()
         check_family(self)
+
+    def _validate_moe(self) -> None:
+        experts, k, width = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
+        if self.moe_router not in ROUTERS:
+            raise ConfigError(f"moe_router {self.moe_router!r} is not one of {ROUTERS}")
+        if self.router_aux_loss_coef is not None and not (_is_number(self.router_aux_loss_coef)
+                                                          and self.router_aux_loss_coef >= 0):
+            raise ConfigError(f"router_aux_loss_coef must be null or a finite number >= 0, got "
+                              f"{self.router_aux_loss_coef!r}")
+        if type(experts) is not int or experts < 0:
+            raise ConfigError(f"num_experts must be an integer >= 0 (0: a dense MLP), got {experts!r}")
+        if experts == 0:
+            if k != 0 or width != 0 or self.norm_topk_prob:
+                raise ConfigError("num_experts_per_tok, moe_intermediate_size and norm_topk_prob "
+                                  "are for mixture-of-experts layers (num_experts > 0)")
+            return
+        if type(k) is not int or not 1 <= k <= experts:
+            raise ConfigError(f"num_experts_per_tok must be an integer in [1, num_experts = "
+                              f"{experts}], got {k!r}")
+        if type(width) is not int or width <= 0:
+            raise ConfigError(f"moe_intermediate_size must be a positive integer, got {width!r}")
+        if self.fused_projections or self.hidden_act != "silu" or self.mlp_bias:
+            raise ConfigError("experts are SwiGLU MLPs without bias or fused projections")
 
     def layer_kind(self, layer: int) -> str:
         """"sliding_attention" or "full_attention" for decoder layer `layer`."""
@@ -273,14 +315,22 @@ def block_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         {"mlp.gate_up_proj": (2 * f, h, cfg.mlp_bias)} if cfg.fused_projections else
         {"mlp.gate_proj": (f, h, cfg.mlp_bias), "mlp.up_proj": (f, h, cfg.mlp_bias)})
     mlp["mlp.down_proj"] = (h, f, cfg.mlp_bias)
+    if cfg.num_experts:  # the router, then each expert's gate, up, down (moe.py's order)
+        module, (gate, up, down) = moe_names(cfg.architecture)
+        e_f = cfg.moe_intermediate_size
+        mlp = {f"{module}.gate": (cfg.num_experts, h, False)}
+        for e in range(cfg.num_experts):
+            prefix = f"{module}.experts.{e}."
+            mlp.update({prefix + gate: (e_f, h, False), prefix + up: (e_f, h, False),
+                        prefix + down: (h, e_f, False)})
     shapes: dict[str, tuple[int, ...]] = {}
     for proj, (out_f, in_f, bias) in attn.items():
         shapes[f"{proj}.weight"] = (out_f, in_f)
         if bias:
             shapes[f"{proj}.bias"] = (out_f,)
-    if cfg.qk_norm:
-        shapes["self_attn.q_norm.weight"] = (d,)
-        shapes["self_attn.k_norm.weight"] = (d,)
+    if cfg.qk_norm:  # per head, or over the whole projection (OLMoE)
+        shapes["self_attn.q_norm.weight"] = (cfg.q_size if cfg.qk_norm_whole else d,)
+        shapes["self_attn.k_norm.weight"] = (cfg.kv_size if cfg.qk_norm_whole else d,)
     for proj, (out_f, in_f, bias) in mlp.items():
         shapes[f"{proj}.weight"] = (out_f, in_f)
         if bias:
@@ -293,11 +343,18 @@ def block_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def router_name(cfg: ModelConfig) -> str | None:
+    """The MoE router's weight (relative to a layer), or None for a dense model."""
+    return f"{moe_names(cfg.architecture)[0]}.gate.weight" if cfg.num_experts else None
+
+
 def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
-    """The block's projections (relative names, no ".weight"): what int8/int4 conversion and
-    LoRA target, in module order."""
-    return tuple(n[:-len(".weight")] for n in block_parameter_shapes(cfg)
-                 if n.endswith("_proj.weight"))
+    """The block's projections (relative names, no ".weight"): every matrix but the MoE router
+    (which stays dense: a few KB, and its rounding would change which experts run), in module
+    order -- what int8/int4 conversion quantizes. Mixtral's experts are w1/w3/w2."""
+    router = router_name(cfg)
+    return tuple(n[:-len(".weight")] for n, shape in block_parameter_shapes(cfg).items()
+                 if n.endswith(".weight") and len(shape) == 2 and n != router)
 
 
 def block_prefix(layer: int) -> str:
@@ -326,3 +383,14 @@ def num_block_params(cfg: ModelConfig) -> int:
     return sum(math.prod(s) for s in block_parameter_shapes(cfg).values())
 
 
+def expert_params(cfg: ModelConfig) -> int:
+    """Parameters of one expert (gate, up and down projections); 0 for a dense model."""
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size if cfg.num_experts else 0
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    """Parameters a token runs through: all of them but the experts it is not routed to
+    (num_experts - num_experts_per_tok per layer); the router, embeddings and head count as
+    active, as the published "active" figures count them (Mixtral 8x7B: 12.9B of 46.7B)."""
+    idle = cfg.num_hidden_layers * (cfg.num_experts - cfg.num_experts_per_tok) * expert_params(cfg)
+    return num_params(cfg) - idle

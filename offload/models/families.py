@@ -19,6 +19,11 @@ against transformers' configuration_<family>.py and modeling_<family>.py (5.24):
 |          | with their own RoPE base (5 of 6 layers)                                  |
 | phi3     | fused qkv_proj and gate_up_proj, partial rotation, LongRoPE, a sliding    |
 |          | window on every layer                                                     |
+| qwen3_moe| qwen3's attention (window on every layer) + a sparse MoE MLP on every     |
+|          | layer: softmax router, top-k, norm_topk_prob                              |
+| olmoe    | q/k norms over the whole q/k projection width, clip_qkv, sparse MoE MLP   |
+| mixtral  | mistral's attention + a sparse MoE MLP (`block_sparse_moe`, experts'      |
+|          | w1/w3/w2), top-k always renormalised, routing weights kept in fp32        |
 
 RoPE in config.json comes in two spellings. Real hub checkpoints (written by transformers 4.x)
 carry a top-level `rope_theta` plus an optional `rope_scaling` dict; transformers 5 writes one
@@ -45,6 +50,9 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -53,6 +61,19 @@ class ConfigError(ValueError):
 
 
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM")
+# per MoE architecture: the MoE module's name in a layer, and each expert's (gate, up, down)
+# projections -- the names transformers' save_pretrained writes (Mixtral keeps its original
+# checkpoint's `block_sparse_moe.experts.E.w1/w3/w2`; transformers renames them on load)
+MOE_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "OlmoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+# how routing weights are made: softmax over every expert in fp32, top-k, renormalised when
+# norm_topk_prob; "softmax_topk" casts them to the compute dtype before they scale the experts'
+# outputs (Qwen3-MoE, OLMoE), "softmax_topk_fp32" keeps them in fp32 (Mixtral)
+ROUTERS = ("softmax_topk", "softmax_topk_fp32")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 # keys a config may leave out, per family: transformers' own defaults for them
@@ -77,10 +98,29 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "rope_theta": 10000.0,
                         "tie_word_embeddings": False, "original_max_position_embeddings": 4096,
                         "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000},
+    # no head_dim default: Qwen3-MoE and OLMoE take hidden_size / num_attention_heads
+    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+                            "tie_word_embeddings": False, "sliding_window": 4096, "num_experts": 128,
+                            "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                            "norm_topk_prob": False, "router_aux_loss_coef": 0.001},
+    "OlmoeForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+                         "tie_word_embeddings": False, "num_experts": 64, "num_experts_per_tok": 8,
+                         "norm_topk_prob": False, "router_aux_loss_coef": 0.01, "pad_token_id": 1,
+                         "eos_token_id": 50279},
+    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                           "rope_theta": 1_000_000.0, "tie_word_embeddings": False, "num_experts": 8,
+                           "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+                           "bos_token_id": 1, "eos_token_id": 2},
 }
+# the MoE keys' spellings: (ours, transformers' alternative name for the same attribute)
+_EXPERT_KEYS = ("num_experts", "num_local_experts")
 _OPTIONS = ("hidden_act", "norm_style", "sandwich_norms", "qk_norm", "embed_scale",
             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-            "layer_types", "rope_local_theta", "fused_projections", "partial_rotary_factor")
+            "layer_types", "rope_local_theta", "fused_projections", "partial_rotary_factor",
+            "qk_norm_whole", "clip_qkv", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "norm_topk_prob", "moe_router")
+_DENSE = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
+          "norm_topk_prob": False, "moe_router": "softmax_topk", "router_aux_loss_coef": None}
 
 
 # ---- what each architecture can express ---------------------------------------------------------
@@ -89,14 +129,22 @@ def _fixed_options(arch: str) -> dict[str, Any]:
     if arch in GEMMA:
         return {"hidden_act": "gelu_pytorch_tanh", "norm_style": "gemma", "sandwich_norms": True,
                 "qk_norm": arch == "Gemma3ForCausalLM", "embed_scale": True, "fused_projections": False,
-                "partial_rotary_factor": 1.0}
+                "partial_rotary_factor": 1.0, "qk_norm_whole": False, "clip_qkv": None, **_DENSE}
     base = {"hidden_act": "silu", "norm_style": "llama", "sandwich_norms": False,
-            "qk_norm": arch == "Qwen3ForCausalLM", "embed_scale": False,
-            "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
+            "qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+            "embed_scale": False, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
             "final_logit_softcapping": None, "rope_local_theta": None,
-            "fused_projections": arch == "Phi3ForCausalLM"}
+            "fused_projections": arch == "Phi3ForCausalLM", "qk_norm_whole": arch == "OlmoeForCausalLM"}
     if arch != "Phi3ForCausalLM":
         base["partial_rotary_factor"] = 1.0
+    if arch != "OlmoeForCausalLM":
+        base["clip_qkv"] = None
+    if arch not in MOE:
+        base.update(_DENSE)
+    else:
+        base["moe_router"] = "softmax_topk_fp32" if arch == "MixtralForCausalLM" else "softmax_topk"
+    if arch == "MixtralForCausalLM":
+        base["norm_topk_prob"] = True  # Mixtral always renormalises its top-k
     return base
 
 
@@ -108,12 +156,12 @@ def check_family(cfg: ModelConfig) -> None:
         if getattr(cfg, name) != want:
             raise ConfigError(f"{arch} cannot have {name} = {getattr(cfg, name)!r} (it is {want!r})")
     biases = (cfg.attention_bias, cfg.o_proj_bias, cfg.mlp_bias)
+    both = {(False, False, False), (True, True, False)}
     allowed = {"LlamaForCausalLM": {(False, False, False), (True, True, False),
                                     (False, False, True), (True, True, True)},
                "Qwen2ForCausalLM": {(True, False, False)},
-               "Qwen3ForCausalLM": {(False, False, False), (True, True, False)},
-               "Gemma2ForCausalLM": {(False, False, False), (True, True, False)},
-               "Gemma3ForCausalLM": {(False, False, False), (True, True, False)},
+               "Qwen3ForCausalLM": both, "Gemma2ForCausalLM": both, "Gemma3ForCausalLM": both,
+               "Qwen3MoeForCausalLM": both, "OlmoeForCausalLM": both,
                }.get(arch, {(False, False, False)})
     if biases not in allowed:
         raise ConfigError(f"{arch} cannot have (attention_bias, o_proj_bias, mlp_bias)"
@@ -123,10 +171,25 @@ def check_family(cfg: ModelConfig) -> None:
         raise ConfigError(f"{arch} has no per-layer attention kinds (layer_types)")
     if per_layer and cfg.sliding_window is not None and cfg.layer_types is None:
         raise ConfigError(f"{arch} takes its sliding window per layer: give layer_types")
-    if cfg.sliding_window is not None and arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+    if cfg.sliding_window is not None and arch in ("LlamaForCausalLM", "Qwen2ForCausalLM",
+                                                   "OlmoeForCausalLM"):
         raise ConfigError(f"sliding_window is not supported for {arch}")
     if cfg.rope_local_theta is not None and arch != "Gemma3ForCausalLM":
         raise ConfigError(f"rope_local_theta (a RoPE base for sliding layers) is Gemma 3's only")
+    if arch == "OlmoeForCausalLM" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ConfigError(f"{arch}'s q/k norms span hidden_size: head_dim must be hidden_size / "
+                          f"num_attention_heads = {cfg.hidden_size // cfg.num_attention_heads}, "
+                          f"got {cfg.head_dim}")
+    if arch in MOE and cfg.num_experts == 0:
+        raise ConfigError(f"{arch} needs num_experts > 0 (every layer is a mixture of experts)")
+    if arch in MOE and arch != "Qwen3MoeForCausalLM" and cfg.moe_intermediate_size != cfg.intermediate_size:
+        raise ConfigError(f"{arch}'s experts are intermediate_size wide: moe_intermediate_size "
+                          f"{cfg.moe_intermediate_size} != intermediate_size {cfg.intermediate_size}")
+
+
+def moe_names(arch: str) -> tuple[str, tuple[str, str, str]]:
+    """(the MoE module's name in a layer, each expert's (gate, up, down) projection names)."""
+    return MOE_NAMES.get(arch, ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
 # ---- config.json -> ModelConfig fields --------------------------------------------------------
@@ -165,6 +228,53 @@ def _refuse_unsupported(hf: Mapping[str, Any], arch: str) -> None:
         act, want = hf.get("hidden_act", "silu"), ("silu", "swish")
     if act not in want:
         raise ConfigError(f"hidden_act {act!r} is not supported for {arch} (it needs {want[0]!r})")
+    if arch in MOE:
+        _refuse_unsupported_moe(hf, arch)
+
+
+def _refuse_unsupported_moe(hf: Mapping[str, Any], arch: str) -> None:
+    """What an MoE config.json may ask for that is not built (training's router options,
+    Qwen3-MoE's dense layers between sparse ones), and spellings that disagree."""
+    if hf.get("output_router_logits"):
+        raise ConfigError("output_router_logits = true: the router's auxiliary loss (training) is "
+                          "not implemented; set it to false (the released checkpoints do)")
+    jitter = hf.get("router_jitter_noise") or 0.0
+    if jitter != 0.0:
+        raise ConfigError(f"router_jitter_noise = {jitter!r}: the router's training noise is not "
+                          f"implemented; set it to 0")
+    given = {k: hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None}
+    for key, value in given.items():
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"{key} must be a positive integer for {arch} (0 would make every layer "
+                              f"a dense MLP: not supported), got {value!r}")
+    if len(given) == 2 and given["num_experts"] != given["num_local_experts"]:
+        raise ConfigError(f"num_experts {given['num_experts']!r} and num_local_experts "
+                          f"{given['num_local_experts']!r} disagree (one attribute in transformers)")
+    if arch == "Qwen3MoeForCausalLM":
+        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise ConfigError(f"Qwen3-MoE with dense MLP layers between the sparse ones "
+                              f"(decoder_sparse_step {step!r}, mlp_only_layers {str(dense)[:80]}) is "
+                              f"not supported: every layer must be sparse (the released models are)")
+
+
+def _moe_fields(hf: Mapping[str, Any], d: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The MoE options of an MoE architecture's config.json (either spelling of the expert
+    count), with transformers' defaults for what it leaves out."""
+    if arch not in MOE:
+        return {}
+    given = [hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None]
+    fields: dict[str, Any] = dict(
+        num_experts=given[0] if given else d["num_experts"],
+        num_experts_per_tok=d["num_experts_per_tok"],
+        moe_intermediate_size=(d.get("moe_intermediate_size") if arch == "Qwen3MoeForCausalLM"
+                               else d["intermediate_size"]),
+        router_aux_loss_coef=d.get("router_aux_loss_coef"))
+    if arch != "MixtralForCausalLM":
+        fields["norm_topk_prob"] = bool(d.get("norm_topk_prob", False))
+    if arch == "OlmoeForCausalLM":
+        fields["clip_qkv"] = d.get("clip_qkv")
+    return fields
 
 
 def config_fields_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -200,6 +310,7 @@ def config_fields_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         if name in fields and fields[name] != want:
             raise ConfigError(f"{name} = {fields[name]!r} is not supported for {arch}")
         fields[name] = want
+    fields.update(_moe_fields(hf, d, arch))
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         fields["attention_bias"] = False
     if arch in GEMMA:
@@ -222,8 +333,10 @@ def _sliding_window(d: Mapping[str, Any], arch: str) -> int | None:
             raise ConfigError("Qwen2 use_sliding_window/sliding_attention layers are not supported; "
                               "set use_sliding_window to false (the released Qwen2 models do)")
         return None
-    if arch == "LlamaForCausalLM":
+    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM"):  # OLMoE's mask is causal only
         return None
+    if arch == "Qwen3MoeForCausalLM":  # every layer, when use_sliding_window
+        return d.get("sliding_window") if d.get("use_sliding_window") else None
     if arch == "Qwen3ForCausalLM" and not d.get("use_sliding_window") and SLIDING not in (d.get("layer_types") or []):
         return None
     return d.get("sliding_window")
@@ -322,12 +435,15 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
         "bos_token_id": cfg.bos_token_id, "eos_token_id": eos, "pad_token_id": cfg.pad_token_id,
         "attention_dropout": 0.0, "use_cache": True,
     }
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") or arch in GEMMA:
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                "OlmoeForCausalLM") or arch in GEMMA:
         out["attention_bias"] = cfg.attention_bias
     if arch == "LlamaForCausalLM":
         out["mlp_bias"] = cfg.mlp_bias
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         out["sliding_window"] = cfg.sliding_window
+    if arch in MOE:
+        _moe_to_hf(cfg, out)
     if arch == "Qwen2ForCausalLM":
         out.update(use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.num_hidden_layers)
@@ -360,3 +476,22 @@ def _gemma_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
         out["rope_parameters"] = {FULL: full, SLIDING: local}
         out["rope_local_base_freq"] = local["rope_theta"]
         out["use_bidirectional_attention"] = False
+
+
+def _moe_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
+    """The MoE keys as transformers 5 writes them (Qwen3-MoE's expert count under both names:
+    transformers 5 writes num_local_experts, 4.x reads num_experts)."""
+    arch = cfg.architecture
+    coef = cfg.router_aux_loss_coef
+    out.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=False,
+               router_aux_loss_coef=_DEFAULTS[arch]["router_aux_loss_coef"] if coef is None else coef)
+    if arch == "Qwen3MoeForCausalLM":
+        out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[],
+                   use_sliding_window=cfg.sliding_window is not None,
+                   sliding_window=cfg.sliding_window)
+    elif arch == "OlmoeForCausalLM":
+        out.update(num_experts=cfg.num_experts, norm_topk_prob=cfg.norm_topk_prob, clip_qkv=cfg.clip_qkv)
+    else:  # Mixtral
+        out.update(num_local_experts=cfg.num_experts, router_jitter_noise=0.0)

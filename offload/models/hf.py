@@ -16,6 +16,7 @@ tied lm_head left out. Shards are written one at a time, each atomically, and th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,6 +30,8 @@ from nvme.format import (FormatError, SafetensorsFile, fsync_dir, open_regular, 
                          write_json_atomic, write_text_atomic)
 from offload.models.config import (ConfigError, ModelConfig, block_parameter_shapes, block_prefix,
                                    parameter_shapes)
+from offload.models.families import moe_names
+from offload.models.moe import FUSED_EXPERTS, fused_expert_parts
 from offload.models.llama import LlamaForCausalLM, build_model
 from offload.memory.tiers import all_finite
 
@@ -64,6 +67,7 @@ class TensorLocation:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the first byte in `path`
     nbytes: int
+    part: bool = False  # a byte range of the stored tensor (one expert of a fused experts tensor)
 
 
 def _canonical_name(stored: str) -> str | None:
@@ -207,6 +211,29 @@ class CheckpointReader:
                 info = shard.tensors[stored]
                 self.locations[name] = TensorLocation(name, stored, shard.path, info.dtype,
                                                       info.shape, info.offset, info.nbytes)
+        self._split_fused_experts()
+
+    def _split_fused_experts(self) -> None:
+        """A checkpoint in transformers' in-memory MoE layout (moe.fused_expert_parts): each
+        expert's matrix is a byte range of a fused tensor, given its own location under our
+        (= save_pretrained's) name and read in place."""
+        if not self.config.num_experts:
+            return
+        for name in [n for n in self.locations if FUSED_EXPERTS.match(n)]:
+            loc = self.locations.pop(name)
+            try:
+                parts = fused_expert_parts(name, loc.shape, loc.nbytes, self.config)
+            except ConfigError as e:
+                raise CheckpointError(f"{loc.path}: tensor {loc.stored_name!r}: {e}") from None
+            for new, shape, offset, nbytes in parts:
+                self._add_location(dataclasses.replace(loc, name=new, shape=shape, offset=loc.offset + offset,
+                                                       nbytes=nbytes, part=nbytes != loc.nbytes))
+
+    def _add_location(self, loc: TensorLocation) -> None:
+        if loc.name in self.locations:
+            raise CheckpointError(f"{loc.path}: tensor {loc.name!r} is stored twice (once in a fused "
+                                  f"experts tensor {loc.stored_name!r}); the checkpoint mixes two layouts")
+        self.locations[loc.name] = loc
 
     def _check_against_config(self) -> None:
         cfg, config_path = self.config, os.path.join(self.path, CONFIG_NAME)
@@ -219,6 +246,13 @@ class CheckpointReader:
                                   f"the weights hold tensors of {len(layers)} layers (config.json "
                                   f"and weights do not belong together, or the checkpoint is "
                                   f"truncated)")
+        if cfg.num_experts:  # counted before the names are listed too (a config asking 10^7)
+            pattern = re.compile(rf"model\.layers\.\d+\.{moe_names(cfg.architecture)[0]}\.experts\.(\d+)\.")
+            experts = {m.group(1) for n in self.locations if (m := pattern.match(n)) is not None}
+            if cfg.num_experts != len(experts):
+                raise CheckpointError(f"{config_path}: num_experts is {cfg.num_experts}, but the weights "
+                                      f"hold tensors of {len(experts)} experts (config.json and weights "
+                                      f"do not belong together)")
         expected = parameter_shapes(cfg)
         for name, shape in expected.items():
             loc = self.locations.get(name)
@@ -272,12 +306,19 @@ class CheckpointReader:
             raise CheckpointError(f"{loc.path}: tensor {loc.stored_name!r} has shape {list(loc.shape)}, "
                                   f"the destination has {list(out.shape)}")
         shard = self.files[os.path.basename(loc.path)]
+
+        def fill(buf: torch.Tensor) -> None:
+            if loc.part:  # one expert's range of a fused tensor (no CRC of its own)
+                shard.read_bytes_into(loc.offset, buf)
+            else:
+                shard.read_into(loc.stored_name, buf)
+
         try:  # every read checked against the CRC-32C the file carries, where it carries one
             if out.device.type == "cpu" and out.dtype == loc.dtype and out.is_contiguous():
-                shard.read_into(loc.stored_name, out.detach())  # detach: a Parameter's own storage
+                fill(out.detach())  # detach: a Parameter's own storage
             else:
                 staging = torch.empty(loc.shape, dtype=loc.dtype)
-                shard.read_into(loc.stored_name, staging)
+                fill(staging)
                 with torch.no_grad():
                     out.copy_(staging)
         except FormatError as e:
@@ -288,6 +329,8 @@ class CheckpointReader:
         """(CRC kind, value) tensor `name`'s shard carries for it, or None (a checkpoint written
         by another program)."""
         loc = self.location(name)
+        if loc.part:  # the file's CRC covers the whole fused tensor
+            return None
         shard = self.files[os.path.basename(loc.path)]
         crc = shard.checksums.get(loc.stored_name)
         return None if crc is None else (shard.checksum_kind, crc)

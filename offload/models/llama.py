@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) whose names mirror Hugging Face exactly.
+"""The decoder of every family (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3; with moe.py's
+mixture-of-experts MLP, Qwen3-MoE, OLMoE and Mixtral) whose names mirror Hugging Face exactly.
 
 Module and parameter names are the checkpoint names (`model.embed_tokens`, `model.layers[i]...`,
 `model.norm`, `lm_head`), so `state_dict()` needs no renaming. The decoder layers live in one
@@ -26,6 +27,8 @@ from torch import nn
 
 from offload.models.attention import attend
 from offload.models.config import ModelConfig, block_prefix
+from offload.models.families import moe_names
+from offload.models.moe import SparseMoE
 from offload.models.projections import (FROZEN_GRAD_CHUNK_BYTES, VocabHead, _FrozenProjectionCPU,  # noqa: F401
                                         _HeadProjection, head_projection, project)
 from offload.models.rope import FULL, SLIDING, Rotary, apply_rotary, rope_frequencies  # noqa: F401
@@ -70,9 +73,11 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
             self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_style)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_style)
+        if cfg.qk_norm:  # per head, or over the whole projection (OLMoE: qk_norm_whole)
+            q_width, k_width = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+            self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, cfg.norm_style)
+            self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, cfg.norm_style)
+        self.norm_whole, self.clip = cfg.qk_norm_whole, cfg.clip_qkv
         # None: SDPA's default 1/sqrt(head_dim)
         self.scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
         self.softcap = cfg.attn_logit_softcapping
@@ -84,10 +89,14 @@ class Attention(nn.Module):
             q, k, v = project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
             q, k, v = project(self.q_proj, x), project(self.k_proj, x), project(self.v_proj, x)
+        if self.norm_whole:  # OLMoE: over the whole projection, then the clamp
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):  # over each head's dimensions, before RoPE
+        if hasattr(self, "q_norm") and not self.norm_whole:  # over each head's dimensions, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
@@ -166,7 +175,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        # the MLP, or the mixture of experts in its place (moe.py; Mixtral's `block_sparse_moe`)
+        self.ffn_name = moe_names(cfg.architecture)[0] if cfg.num_experts else "mlp"
+        self.add_module(self.ffn_name, SparseMoE(cfg) if cfg.num_experts else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
         # Llama: the norm before the MLP; Gemma: the norm of the attention's output
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
@@ -180,12 +191,13 @@ class DecoderLayer(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, kv_start: int = 0) -> torch.Tensor:
         """hidden [B, T, H]; cos/sin [B, T, R]; mask None or bool [B, 1, T, S] (True = attend);
         kv: this layer's (keys, values) cache buffers [B, kvh, max_len, D], filled up to kv_start."""
+        mlp = self._modules[self.ffn_name]
         if self.sandwich:
             attn = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, kv, kv_start)
             hidden = hidden + self.post_attention_layernorm(attn)
-            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+            return hidden + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(hidden)))
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, kv, kv_start)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + mlp(self.post_attention_layernorm(hidden))
 
 
 # ---- KV cache -------------------------------------------------------------------------------

@@ -118,7 +118,40 @@ PRESETS.update({
                             bos_token_id=100257, eos_token_id=100265, pad_token_id=100349,
                             dtype="bfloat16"),
 })
+# ---- mixtures of experts ----------------------------------------------------------------------
+PRESETS.update({
+    # Qwen/Qwen3-30B-A3B (published: 30.5B, 3.3B activated)
+    "qwen3-30B-A3B": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                 head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                 max_position_embeddings=40960, architecture="Qwen3MoeForCausalLM",
+                                 qk_norm=True, num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, norm_topk_prob=True,
+                                 router_aux_loss_coef=0.001, bos_token_id=151643,
+                                 eos_token_id=151645, dtype="bfloat16"),
+    # Qwen/Qwen3-235B-A22B (published: 235B, 22B activated)
+    "qwen3-235B-A22B": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                   num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                   head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                   max_position_embeddings=40960, architecture="Qwen3MoeForCausalLM",
+                                   qk_norm=True, num_experts=128, num_experts_per_tok=8,
+                                   moe_intermediate_size=1536, norm_topk_prob=True,
+                                   router_aux_loss_coef=0.001, bos_token_id=151643,
+                                   eos_token_id=151645, dtype="bfloat16"),
+    # mistralai/Mixtral-8x7B-v0.1 (published: 46.7B, 12.9B active)
+    "mixtral-8x7B": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+                                architecture="MixtralForCausalLM", num_experts=8, num_experts_per_tok=2,
+                                norm_topk_prob=True, moe_router="softmax_topk_fp32",
+                                router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2,
+                                dtype="bfloat16"),
+})
 # published parameter counts the presets are held to (within 1%: tests/test_families_infer.py)
 PUBLISHED_PARAMS = {"qwen3-8B": 8.19e9, "qwen3-32B": 32.8e9, "gemma3-27B": 27.43e9 - 0.417e9,
                     "gemma3-270M": 268e6, "phi4-14B": 14.7e9, "1B": 1.24e9, "3B": 3.21e9,
-                    "8B": 8.03e9, "7B": 6.74e9, "13B": 13.0e9, "70B": 69.0e9, "mistral-7B": 7.24e9}
+                    "8B": 8.03e9, "7B": 6.74e9, "13B": 13.0e9, "70B": 69.0e9, "mistral-7B": 7.24e9,
+                    "qwen3-30B-A3B": 30.5e9, "qwen3-235B-A22B": 235e9, "mixtral-8x7B": 46.7e9}
+# published parameters active per token (config.num_active_params: tests/test_moe.py). Qwen3-30B-A3B's
+# "3.3B" is 3.35B cut to two digits: the count is held to that (3.3 <= n / 1e9 < 3.4), the others to 1%
+PUBLISHED_ACTIVE = {"qwen3-30B-A3B": 3.3e9, "qwen3-235B-A22B": 22e9, "mixtral-8x7B": 12.9e9}

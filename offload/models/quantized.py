@@ -1,6 +1,7 @@
 """Quantized decoder blocks: int8 / int4 projection weights that travel as they are stored.
 
-`--quantize int8|int4` replaces the seven projections of every decoder layer by `QuantLinear`s
+`--quantize int8|int4` replaces the projections of every decoder layer (config.projection_names:
+attention, MLP, every MoE expert's; not the MoE router) by `QuantLinear`s
 whose weights are group-wise codes plus fp16 scales (offload/quant/format.py has the format,
 offload/quant/matmul.py the matmul). The layers are converted once, block by block, into a cache directory of one
 4 KiB-aligned safetensors file per block (the NVMe tier's format), and reused on later runs:
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -138,8 +140,8 @@ def quantized_block_bytes(cfg: ModelConfig, specs: dict[str, QuantSpec], dtype: 
         proj = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and proj in specs:
             total += packed_bytes(shape[0], shape[1], specs[proj])
-        else:
-            total += shape[0] * dtype.itemsize
+        else:  # norms, biases, an MoE router (a matrix kept dense)
+            total += math.prod(shape) * dtype.itemsize
     return total
 
 
