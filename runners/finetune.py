@@ -371,7 +371,9 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
         print(f"batches skipped for holding no target token: {empty_batches}")
     metrics.close()
     wall = time.perf_counter() - t_run
-    path = checkpoint()
+    # decided alike on every rank (a checkpoint is collective): complete, and no rank stopping
+    complete = engine.global_step >= args.steps and not ranks.any(stop.signal is not None)
+    path = None if args.no_final_checkpoint and complete else checkpoint()
     if stop.signal is None and engine.global_step < args.steps and ranks.many and (
             args.stop_after is None or engine.global_step - start_step < args.stop_after):
         stop.signal = signal.SIGTERM  # another rank was asked to stop
@@ -493,7 +495,7 @@ def export_model(params, path: str, model_cfg, tokenizer, export_dtype) -> None:
 
 
 def _finish(args, engine, cfg, history, totals, wall: float, tokens_run: int, eval_loss0,
-            path: str, metrics_path: str, ranks: Ranks, outputs: list[str]) -> int:
+            path: str | None, metrics_path: str, ranks: Ranks, outputs: list[str]) -> int:
     """A completed run, its result exported: print the summary and the loss curve, close the
     engine and remove the swap files."""
     from runners.report import summary_table, write_loss_plot
@@ -507,7 +509,8 @@ def _finish(args, engine, cfg, history, totals, wall: float, tokens_run: int, ev
         print(f"ranks: {ranks.world}, start-up agreement (flags; configuration, data and model) "
               f"{ranks.agree_s * 1e3:.1f} ms")
     png = write_loss_plot(history, os.path.join(args.output, "loss.png")) if ranks.main else None
-    print("\n".join(outputs) + f"\ncheckpoint: {path}\nmetrics: {metrics_path}"
+    where = path or "not written at the end (--no-final-checkpoint)"
+    print("\n".join(outputs) + f"\ncheckpoint: {where}\nmetrics: {metrics_path}"
           + (f"\nloss curve: {png}" if png else ""))
     engine.close()
     swap_dir = cfg.nvme_dir if not ranks.many or cfg.nvme_dir is None else \
@@ -517,8 +520,8 @@ def _finish(args, engine, cfg, history, totals, wall: float, tokens_run: int, ev
         # from it): free the space, deleting only the files the store created
         from nvme import SwapStore
         freed = SwapStore(swap_dir, verify="never", durable=False).destroy()
-        print(f"swap: removed {format_bytes(freed)} of swap files from {swap_dir} (the "
-              f"checkpoint holds the state)")
+        held = "the checkpoint holds the state" if path else "the run is complete and exported"
+        print(f"swap: removed {format_bytes(freed)} of swap files from {swap_dir} ({held})")
     return 0
 
 

@@ -122,6 +122,9 @@ def _add_output_args(ap: argparse.ArgumentParser) -> None:
                     "the same ones (0 = all of them; default %(default)s)")
     ap.add_argument("--save-every", type=int, default=d["save_every"], help="updates between checkpoints "
                     "(0 = only at the end)")
+    ap.add_argument("--no-final-checkpoint", action="store_true", help="a run that completes writes "
+                    "its export only, not a resumable checkpoint (the optimizer state, 12 bytes per "
+                    "parameter, written again); a run stopped early still writes one")
     ap.add_argument("--output", default="runs/finetune", help="output directory: model/ (Hugging Face "
                     "layout; with --lora-rank: adapter/, and model/ with --merge), checkpoint/ "
                     "(resumable), metrics.jsonl, loss.png")

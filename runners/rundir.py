@@ -103,8 +103,9 @@ def check_run_paths(output: str, metrics: str | None, offload_dir: str | None,
 
 # Settings a resumed run must share with the run that saved the checkpoint: each changes the
 # data order, the batches or the update arithmetic, so a changed one cannot continue exactly.
-# Everything else (tiers, directories, IO, budgets, --save-every, --eval-every, --stop-after,
-# --gpu) may change: the math is the same (on another device, to its rounding).
+# Everything else (tiers, directories, IO, budgets, --save-every, --no-final-checkpoint,
+# --eval-every, --stop-after, --gpu) may change: the math is the same (on another device, to
+# its rounding).
 TRAJECTORY = {"seq_len": "--seq-len", "seed": "--seed", "batch_size": "--batch-size",
               "micro_batch_size": "--micro-batch-size", "steps": "--steps (the LR schedule)",
               "warmup_steps": "--warmup-steps", "min_lr_ratio": "--min-lr-ratio",

@@ -21,6 +21,21 @@ def load_script(name: str):
     return module
 
 
+def ram_swap_dir(out) -> str:
+    """Where a real model's fine-tune in a test puts its swap files: RAM-backed /dev/shm when it
+    has room (the caller removes it). SmolLM2 moves 3 GB of optimizer state per update and Gemma 3
+    270M 6 GB, which on this project's CI disk (~0.8 GB/s) made such fixtures 40% of the suite's
+    ten minutes; the code path is the NVMe tier's all the same (swap files, checksums, read-ahead,
+    write-behind; tmpfs takes the IO engine's buffered fallback instead of O_DIRECT, which
+    tests/test_nvme_io.py and test_swap.py cover on the disk)."""
+    import shutil
+    import tempfile
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free > 8 << 30:
+        return tempfile.mkdtemp(prefix="offload-test-swap-", dir=shm)
+    return str(out / "swap")
+
+
 def _fetched(script: str, what: str) -> str:
     """The path a scripts/ fetcher caches its model at; under CI a failure to fetch fails,
     elsewhere (an offline GPU machine) the tests that need it are skipped with the reason."""

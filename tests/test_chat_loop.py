@@ -9,27 +9,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import shutil
-import tempfile
 
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import load_script, ram_swap_dir
 from runners import finetune, infer
-
-
-def _swap_dir(out) -> str:
-    """Where the swap files go: RAM-backed /dev/shm when it has room. The run moves 3 GB of
-    optimizer state per update, which on this project's CI disk (~0.8 GB/s) made the fixture
-    40% of the suite's ten minutes; the code path is the NVMe tier's all the same (swap files,
-    checksums, read-ahead, write-behind; tmpfs takes the IO engine's buffered fallback instead
-    of O_DIRECT, which tests/test_nvme_io.py and test_swap.py cover on the disk)."""
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and shutil.disk_usage(shm).free > 4 << 30:
-        return tempfile.mkdtemp(prefix="offload-chat-loop-", dir=shm)
-    return str(out / "swap")
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +24,14 @@ def finetuned(smollm2_gguf, tmp_path_factory):
     data = out / "veloria.jsonl"
     load_script("make_chat_example").write(str(data))  # the README's example data
     printed = io.StringIO()
-    swap = _swap_dir(out)
+    swap = ram_swap_dir(out)
     try:
         with contextlib.redirect_stdout(printed):
             rc = finetune.main(["--model", smollm2_gguf, "--data", str(data), "--offload", "nvme",
                                 "--offload-dir", swap, "--steps", "6", "--batch-size", "4",
                                 "--seq-len", "64", "--lr", "5e-4", "--warmup-steps", "1",
-                                "--eval-every", "0", "--output", str(out / "run"), "--no-progress"])
+                                "--eval-every", "0", "--output", str(out / "run"), "--no-progress",
+                                "--no-final-checkpoint"])
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     assert rc == 0

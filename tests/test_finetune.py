@@ -168,6 +168,18 @@ def test_resume_from_a_different_model_is_refused(tmp_path, capsys):
          "different model")
 
 
+def test_no_final_checkpoint_writes_the_export_only_unless_stopped_early(tmp_path, capsys):
+    base = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0", "--no-progress",
+            "--offload", "nvme", "--no-final-checkpoint"]
+    done = tmp_path / "done"
+    assert main(base + ["--output", str(done)]) == 0
+    assert (done / "model" / "config.json").is_file() and not (done / "checkpoint").exists()
+    assert "not written at the end (--no-final-checkpoint)" in capsys.readouterr().out
+    early = tmp_path / "early"  # stopped before the last update: resumable as always
+    assert main(base + ["--output", str(early), "--stop-after", "1"]) == 0
+    assert (early / "checkpoint").is_dir() and not (early / "model").exists()
+
+
 def test_cli_subprocess_clean_error_and_dry_run_70b():
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-m", "runners.finetune", "--gpu", "3"],
