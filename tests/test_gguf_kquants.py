@@ -259,7 +259,7 @@ def test_gemma_tokenizer_is_transformers(gemma):
     assert files["tokenizer_config.json"]["add_bos_token"] is True
     tok = Tokenizer(files["tokenizer.json"], files["tokenizer_config.json"], files["generation_config.json"])
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (2, 1, 262144)
-    for text in varied_texts():
+    for text in varied_texts(60):  # the tokenizer.json is equal already; these spot-check it
         for special in (True, False):
             ids = tok.encode(text, add_special_tokens=special)
             assert ids == ref(text, add_special_tokens=special)["input_ids"], (text, special)

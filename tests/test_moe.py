@@ -290,8 +290,10 @@ def test_moe_presets_total_and_active_counts(name):
 def test_moe_presets_plan_in_a_dry_run(tmp_path, capsys):
     for name in ("qwen3-30B-A3B", "mixtral-8x7B"):
         out = tmp_path / f"{name}.json"
+        # an explicit budget: the default is what RAM is free now, which other jobs change
         rc = run_main(infer_main, ["--model", name, "--dry-run", "--offload-dir", str(tmp_path),
-                                   "--probe-seconds", "0", "--output-json", str(out)])
+                                   "--cpu-memory", "20GiB", "--probe-seconds", "0",
+                                   "--output-json", str(out)])
         err = capsys.readouterr().err
         assert rc == 0 and "B active" in err, err
         cfg, plan = preset(name), json.loads(out.read_text())["plan"]
