@@ -371,9 +371,11 @@ def _train(args, engine, model, model_cfg, data, order, fingerprint, tokenizer, 
         print(f"batches skipped for holding no target token: {empty_batches}")
     metrics.close()
     wall = time.perf_counter() - t_run
-    # decided alike on every rank (a checkpoint is collective): complete, and no rank stopping
-    complete = engine.global_step >= args.steps and not ranks.any(stop.signal is not None)
-    path = None if args.no_final_checkpoint and complete else checkpoint()
+    # decided alike on every rank (a checkpoint is collective; every rank has the same flags and
+    # step): asked for, complete, and no rank stopping -- the agreement only when asked for
+    skip = (args.no_final_checkpoint and engine.global_step >= args.steps
+            and not ranks.any(stop.signal is not None))
+    path = None if skip else checkpoint()
     if stop.signal is None and engine.global_step < args.steps and ranks.many and (
             args.stop_after is None or engine.global_step - start_step < args.stop_after):
         stop.signal = signal.SIGTERM  # another rank was asked to stop
