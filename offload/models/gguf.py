@@ -4,13 +4,18 @@ A GGUF file holds a model's hyper-parameters and tokenizer as metadata and its t
 llama.cpp's layouts (plain F32/F16/BF16, or blocks of quantized values with per-block scales).
 `GGUFReader` turns it into what the rest of the code already knows:
 - `.hf_config`: the Hugging Face config dict of the file's architecture (llama, mistral, qwen2,
-  qwen3, gemma2, gemma3, phi3; offload/models/gguf_names.py), and `.config`, the ModelConfig
+  qwen3, gemma2, gemma3, phi3, and the mixtures of experts qwen3moe, olmoe and llama with expert
+  tensors = Mixtral; offload/models/gguf_names.py), and `.config`, the ModelConfig
   built from it, checked against the tensors present (count, shapes, types) before anything is
   built: a 1 KB file that claims 10^7 layers is refused at once, not after minutes of allocation;
 - `.read_tensors_into({hf_name: tensor})`: the CheckpointReader interface the model builder and
   the engine fill parameters through. Each tensor is dequantized on its own into the
   destination's dtype (never the whole model at once), then given back the values Hugging Face
-  stores (Llama q/k rows un-interleaved, Gemma norms minus 1, in float32);
+  stores (Llama q/k rows un-interleaved, Gemma norms minus 1, in float32). A 3-D expert tensor
+  (`blk.N.ffn_{gate,up,down}_exps`, [experts, rows, cols]) is checked against the config and
+  listed as one `ExpertSlice` per expert under the per-expert names transformers' save_pretrained
+  writes: each is a view of that expert's own rows (whole rows of whole blocks: one byte range,
+  K-quants included), dequantized on its own;
 - `.tokenizer_files()`: the Hugging Face tokenizer files the metadata implies
   (offload/models/gguf_tokenizer.py), so `offload.data.tokenizer.Tokenizer` and an export treat
   it like any checkpoint.
@@ -49,8 +54,9 @@ import torch
 
 from nvme.format import content_digest, held_lock
 from offload.models.config import ConfigError, ModelConfig, parameter_shapes
-from offload.models.gguf_names import (ARCHITECTURES, CONSUMED, GGUFError, expected_shapes, fix_values,
-                                       hf_config, hf_name, unpermute_rows)
+from offload.models.gguf_names import (ARCHITECTURES, CONSUMED, GGUFError, expected_shapes, expert_parts,
+                                       expert_shape, fix_values, hf_config, hf_name, is_expert_tensor,
+                                       moe_architecture, unpermute_rows)
 from offload.models.gguf_tokenizer import tokenizer_files
 from offload.models.hf import CONVERTED_FROM_NAME
 
@@ -194,6 +200,24 @@ def is_gguf(path: str) -> bool:
         return False
 
 
+class ExpertSlice:
+    """One expert's matrix inside a 3-D expert tensor ([experts, rows, cols] in torch order), with
+    the fields of the package's ReaderTensor that are read here and by the `--quantize` path
+    (name, tensor_type, shape ne0 first, data): `data` is a view of that expert's rows in the
+    file mapping -- whole rows of whole blocks, one contiguous byte range -- so each expert is
+    dequantized (or its Q8_0 / Q4_0 / Q4_1 blocks taken) on its own, read only when used."""
+
+    def __init__(self, stacked, expert: int, first_row: int, rows: int):
+        cols = int(stacked.shape[0])
+        self.source, self.expert = stacked.name, expert
+        fused = "" if rows == int(stacked.shape[1]) else f", rows {first_row}-{first_row + rows - 1}"
+        self.name = f"{stacked.name} (expert {expert}{fused})"
+        self.tensor_type = stacked.tensor_type
+        self.shape = np.array([cols, rows], dtype=np.uint64)
+        self.data = stacked.data[expert, first_row:first_row + rows]
+        self.n_elements, self.n_bytes = cols * rows, self.data.nbytes
+
+
 class GGUFReader:
     """An open GGUF file: its config, tensors by our names, reads into buffers, tokenizer files.
     `model_config=False` stops at the Hugging Face config dict (`.config` is None; the tensors
@@ -216,12 +240,16 @@ class GGUFReader:
             raise GGUFError(f"{self.path}: architecture {self.arch!r} is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
         self._by_gguf = {t.name: t for t in self._reader.tensors}
-        self.tensors = {}  # our name -> gguf ReaderTensor
+        self.moe = moe_architecture(self.arch, self._by_gguf, self.path)  # the MoE class, or None
+        self.tensors = {}  # our name -> gguf ReaderTensor (or one expert of a 3-D one: ExpertSlice)
         self.unexpected: list[str] = []
+        stacked = []  # 3-D expert tensors, split once the config says how many experts
         for t in self._reader.tensors:
-            name = hf_name(self.arch, t.name)
+            name = hf_name(self.arch, t.name, self.moe)
             if name is not None:
                 self.tensors[name] = t
+            elif self.moe and is_expert_tensor(t.name):
+                stacked.append(t)
             elif t.name not in CONSUMED.get(self.arch, ()):
                 self.unexpected.append(t.name)
         if "rope_freqs.weight" in self._by_gguf:
@@ -232,6 +260,7 @@ class GGUFReader:
                             f"Face directory instead")
         self.hf_config = hf_config(self.arch, self.meta, set(self._by_gguf), self._layers(),
                                    self._vocab_size(), self.read_raw, self.path)
+        self._split_experts(stacked)
         self.config: ModelConfig | None = None
         if model_config:
             try:
@@ -268,6 +297,22 @@ class GGUFReader:
             vocab = int(embed.shape[-1])
         return vocab
 
+    def _split_experts(self, stacked: list) -> None:
+        """Each 3-D expert tensor checked against the config ([experts, rows, cols]) and listed
+        as one ExpertSlice per expert (and per projection, for a fused gate_up tensor)."""
+        for t in stacked:
+            stored = tuple(int(d) for d in reversed(list(t.shape)))
+            want = expert_shape(self.hf_config, t.name)
+            if stored != want:
+                count = f"{self.arch}.expert_count says {want[0]}"
+                raise GGUFError(
+                    f"{self.path}: expert tensor {t.name} holds {stored[0]} experts where {count}; the "
+                    f"file is damaged" if len(stored) == 3 and stored[0] != want[0] else
+                    f"{self.path}: expert tensor {t.name} has shape {list(stored)}, the metadata implies "
+                    f"{list(want)} ([experts, rows, cols]; {count}): file and metadata do not belong together")
+            for name, expert, row, rows in expert_parts(self.moe, t.name, want):
+                self.tensors[name] = ExpertSlice(t, expert, row, rows)
+
     def _check_tensors(self) -> None:
         gguf = _gguf()
         expected = parameter_shapes(self.config) if self.config is not None else \
@@ -295,10 +340,14 @@ class GGUFReader:
     def read_raw(self, gguf_name: str) -> np.ndarray:
         """Tensor `gguf_name` (the file's name) as `gguf.quants.dequantize` gives it, float32 in
         PyTorch's dimension order: llama.cpp's values, nothing undone."""
-        gguf = _gguf()
         t = self._by_gguf.get(gguf_name)
         if t is None:
             raise GGUFError(f"{self.path}: no tensor {gguf_name!r}")
+        return self._dequantize(t)
+
+    def _dequantize(self, t) -> np.ndarray:
+        """`t` (a ReaderTensor or an ExpertSlice) as float32 in PyTorch's dimension order."""
+        gguf = _gguf()
         kind = gguf.GGMLQuantizationType(t.tensor_type)
         dims = [int(d) for d in t.shape]
         block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
@@ -324,7 +373,7 @@ class GGUFReader:
         t = self.tensors.get(name)
         if t is None:
             raise GGUFError(f"{self.path}: no tensor {name!r}")
-        return fix_values(self.arch, self.hf_config, t.name, name, self.read_raw(t.name))
+        return fix_values(self.arch, self.hf_config, t.name, name, self._dequantize(t))
 
     def read_tensors_into(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Fill each destination (any device and float dtype, our shape), one tensor at a time."""

@@ -8,7 +8,12 @@
 - `fix_values`: what llama.cpp's converter did to the values, undone (Llama/Mistral q/k rows
   interleaved per head; Gemma RMSNorm weights stored as w + 1, given back as w in float32);
 - `expected_shapes`: every tensor the config implies, for the check made before anything is
-  built when no ModelConfig is asked for.
+  built when no ModelConfig is asked for;
+- mixtures of experts (`moe_architecture`, `expert_shape`, `expert_parts`): llama.cpp stores a
+  layer's experts as 3-D tensors `ffn_{gate,up,down}_exps` ([experts, rows, cols] in torch
+  order) and the router as `ffn_gate_inp`; each expert's matrix is given its Hugging Face name
+  (`mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`), what is not built is
+  refused in one line.
 
 | GGUF arch | transformers class | notes |
 |-----------|--------------------|-------|
@@ -18,6 +23,12 @@
 | gemma2 | Gemma2ForCausalLM | norms - 1; soft-capping from metadata; sliding window on even layers |
 | gemma3 | Gemma3ForCausalLM (model_type gemma3_text) | norms - 1; q_norm/k_norm; 5 of 6 layers sliding with their own RoPE base |
 | phi3 | Phi3ForCausalLM | fused qkv_proj and gate_up_proj; rope_factors_long/short -> LongRoPE |
+| qwen3moe | Qwen3MoeForCausalLM | qwen3's attention (no window); experts of expert_feed_forward_length; top-k renormalised |
+| olmoe | OlmoeForCausalLM | q/k norms over the whole projection; clamp_kqv -> clip_qkv; top-k not renormalised |
+| llama + expert tensors | MixtralForCausalLM | q/k rows un-interleaved; experts of feed_forward_length; top-k renormalised |
+
+What llama.cpp hard-wires for these graphs is taken as it is: softmax routing over every
+expert, top-k renormalised for qwen3moe and llama (Mixtral), not for olmoe, no sliding window.
 """
 
 from __future__ import annotations
@@ -27,13 +38,15 @@ from typing import Any, Callable, Collection
 
 import numpy as np
 
+from offload.models.families import MOE, moe_names
 from offload.models.hf import CheckpointError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
-MODEL_TYPES = {"gemma3": "gemma3_text"}  # the rest: the GGUF architecture's own name
+                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "olmoe": "OlmoeForCausalLM"}
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}  # the rest: the GGUF architecture's own name
 GEMMA = ("gemma2", "gemma3")
 ROWS_INTERLEAVED = ("llama", "mistral")  # llama.cpp's converter permutes only these q/k rows
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -43,6 +56,7 @@ _ATTN = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "
 _MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _LLAMA_BLOCK = {**_ATTN, **_MLP, "ffn_norm": "post_attention_layernorm"}
+_MOE_BLOCK = {**_ATTN, **_QK_NORM, "ffn_norm": "post_attention_layernorm"}  # + the router, experts
 _GEMMA_BLOCK = {**_ATTN, **_MLP, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # gguf block name -> our name inside model.layers.N, per architecture
@@ -53,6 +67,7 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
              "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+    "qwen3moe": _MOE_BLOCK, "olmoe": _MOE_BLOCK,
 }
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
@@ -77,12 +92,16 @@ class GGUFError(CheckpointError):
 Meta = Callable[..., Any]  # meta(key, default=None) -> the decoded metadata value
 
 
-def hf_name(arch: str, name: str) -> str | None:
-    """Our (Hugging Face) name of gguf tensor `name`, or None when it is not a parameter we know."""
+def hf_name(arch: str, name: str, moe: str | None = None) -> str | None:
+    """Our (Hugging Face) name of gguf tensor `name`, or None when it is not a parameter we know
+    (`moe`: the file's MoE class, moe_architecture; its router is named here, its 3-D expert
+    tensors hold several of our tensors: expert_parts)."""
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     block = BLOCK_NAMES.get(arch, {})
+    if m and moe and m.group(2) == ROUTER:
+        return f"model.layers.{int(m.group(1))}.{moe_names(moe)[0]}.gate.{m.group(3)}"
     if m and m.group(2) in block:
         return f"model.layers.{int(m.group(1))}.{block[m.group(2)]}.{m.group(3)}"
     return None
@@ -108,6 +127,126 @@ def unpermute_rows(arch: str, hf: dict[str, Any], name: str, w: np.ndarray) -> n
         return w
     half = w.shape[0] // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---- mixtures of experts --------------------------------------------------------------------------
+# the MoE class of each architecture that has one (llama: Mixtral, a llama file with expert tensors)
+MOE_ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                     "llama": "MixtralForCausalLM"}
+ROUTER = "ffn_gate_inp"
+# a 3-D expert tensor's kind -> the projections (0 gate, 1 up, 2 down) its rows hold, in order:
+# llama.cpp's converter can fuse each expert's gate and up rows (`--fuse-gate-up-exps`), gate first
+EXPERT_KINDS = {"ffn_gate_exps": (0,), "ffn_up_exps": (1,), "ffn_down_exps": (2,), "ffn_gate_up_exps": (0, 1)}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)")
+_DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def _expert_kind(name: str) -> str | None:
+    m = _BLOCK_TENSOR.fullmatch(name)
+    return m.group(2) if m and m.group(2) in EXPERT_KINDS and m.group(3) == "weight" else None
+
+
+def _not_built(path: str, name: str, kind: str) -> str | None:
+    """Why block tensor `name` (of `kind`) of an MoE file cannot be converted, or None."""
+    if "shexp" in kind or "chexp" in kind:
+        return (f"{path}: tensor {name} is a shared expert (Qwen2-MoE / DeepSeek style), which is "
+                f"not built; supported MoE files: qwen3moe, olmoe and Mixtral (llama)")
+    if re.fullmatch(r"ffn_(gate|up|down)\.\d+", kind):
+        return (f"{path}: tensor {name} is one expert stored on its own (the old llama.cpp layout of "
+                f"Mixtral files), which is not supported; convert the model again with a current "
+                f"llama.cpp (experts stacked in ffn_gate_exps / ffn_up_exps / ffn_down_exps)")
+    if kind == ROUTER and name.endswith(".bias") or kind == "exp_probs_b" or \
+            ("exp" in kind and kind not in EXPERT_KINDS and kind != ROUTER):
+        return (f"{path}: tensor {name} (an expert or router tensor these MoE graphs do not have) is "
+                f"not supported; supported MoE files: qwen3moe, olmoe and Mixtral (llama)")
+    return None
+
+
+def moe_architecture(arch: str, tensor_names: Collection[str], path: str) -> str | None:
+    """The transformers MoE class of a file of `arch` holding `tensor_names` (None: a dense
+    model); an expert layout that is not built is refused in one line naming a tensor."""
+    blocks: dict[int, dict[str, str]] = {}  # block -> kind -> one of its tensors' names
+    for name in tensor_names:
+        m = _BLOCK_TENSOR.fullmatch(name)
+        if m:
+            blocks.setdefault(int(m.group(1)), {})[m.group(2)] = name
+    kinds = {k for found in blocks.values() for k in found}
+    if arch not in ("qwen3moe", "olmoe") and not kinds & {ROUTER, *EXPERT_KINDS} and \
+            not any(re.fullmatch(r"ffn_(gate|up|down)\.\d+|.*(shexp|chexp).*", k) for k in kinds):
+        return None  # dense
+    for found in blocks.values():
+        for kind, name in found.items():
+            why = _not_built(path, name, kind)
+            if why:
+                raise GGUFError(why)
+    if arch not in MOE_ARCHITECTURES:
+        raise GGUFError(f"{path}: a {arch} file with expert tensors is not supported (MoE files: "
+                        f"{', '.join(k + ' (Mixtral)' if k == 'llama' else k for k in MOE_ARCHITECTURES)})")
+    for block, found in sorted(blocks.items()):
+        dense = [k for k in _DENSE_MLP if k in found]
+        if dense:
+            raise GGUFError(f"{path}: block {block} has a dense MLP ({found[dense[0]]}) in an MoE "
+                            f"file: dense layers between the sparse ones are not supported (every "
+                            f"layer must have experts)")
+    return MOE_ARCHITECTURES[arch]
+
+
+def expert_shape(hf: dict[str, Any], name: str) -> tuple[int, int, int] | None:
+    """The [experts, rows, cols] shape (torch order) `hf` implies for gguf expert tensor `name`;
+    None when `name` is no 3-D expert tensor."""
+    kind = _expert_kind(name)
+    if kind is None:
+        return None
+    experts = hf.get("num_experts") or hf["num_local_experts"]
+    h, width = hf["hidden_size"], hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    return (experts, h, width) if kind == "ffn_down_exps" else (experts, len(EXPERT_KINDS[kind]) * width, h)
+
+
+def expert_parts(moe: str, name: str, shape: tuple[int, int, int]) -> list[tuple[str, int, int, int]]:
+    """Our tensors inside gguf expert tensor `name` of (checked) `shape` [experts, rows, cols]:
+    [(our name, expert, first row, rows)], expert by expert."""
+    kind = _expert_kind(name)
+    module, projections = moe_names(moe)
+    block = int(_BLOCK_TENSOR.fullmatch(name).group(1))
+    held = EXPERT_KINDS[kind]
+    rows = shape[1] // len(held)
+    return [(f"model.layers.{block}.{module}.experts.{e}.{projections[p]}.weight", e, i * rows, rows)
+            for e in range(shape[0]) for i, p in enumerate(held)]
+
+
+def is_expert_tensor(name: str) -> bool:
+    return _expert_kind(name) is not None
+
+
+_MOE_KEYS = {  # metadata that, other than this, changes the math of a graph these files have
+    "expert_shared_count": ((None, 0), "shared experts"),
+    "leading_dense_block_count": ((None, 0), "dense layers before the sparse ones"),
+    "expert_gating_func": ((None, 0, 1), "routing other than softmax"),  # 1: softmax
+    "expert_weights_scale": ((None, 0.0, 1.0), "scaled routing weights"),
+}
+
+
+def _moe(arch: str, moe: str, a: Meta, hf: dict[str, Any], path: str) -> None:
+    """The MoE keys of `hf`, from the metadata and what llama.cpp's graph of `arch` hard-wires
+    (softmax over every expert; top-k renormalised except for olmoe; no sliding window)."""
+    experts = _positive_int(path, f"{arch}.expert_count", a("expert_count"))
+    used = _positive_int(path, f"{arch}.expert_used_count", a("expert_used_count"))
+    if used > experts:
+        raise GGUFError(f"{path}: metadata {arch}.expert_used_count = {used} is more than its "
+                        f"{experts} experts ({arch}.expert_count); the file is damaged")
+    for key, (fine, what) in _MOE_KEYS.items():
+        if a(key) not in fine:
+            raise GGUFError(f"{path}: metadata {arch}.{key} = {a(key)!r} ({what}) is not supported "
+                            f"(not part of qwen3moe, olmoe or Mixtral)")
+    hf["num_experts_per_tok"] = used
+    if moe == "Qwen3MoeForCausalLM":  # llama.cpp's width when the key is absent: n_ff / experts used
+        width = a("expert_feed_forward_length") or hf["intermediate_size"] // used
+        hf.update(num_experts=experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  moe_intermediate_size=_positive_int(path, f"{arch}.expert_feed_forward_length", width))
+    elif moe == "OlmoeForCausalLM":
+        hf.update(num_experts=experts, norm_topk_prob=False, clip_qkv=a("attention.clamp_kqv"))
+    else:  # Mixtral: a llama file with experts, each feed_forward_length wide
+        hf.update(architectures=[moe], model_type="mixtral", num_local_experts=experts)
 
 
 # ---- config --------------------------------------------------------------------------------------
@@ -147,20 +286,24 @@ def hf_config(arch: str, meta: Meta, tensor_names: Collection[str], layers: int,
         "pad_token_id": meta("tokenizer.ggml.padding_token_id"),
     }
     head_dim = a("attention.key_length") or a("rope.dimension_count") or hidden // heads
-    if arch in GEMMA or arch == "qwen3":
+    if arch in GEMMA or arch in ("qwen3", "qwen3moe"):
         hf["head_dim"] = _positive_int(path, f"{arch}.attention.key_length", head_dim)
     elif arch != "phi3" and head_dim != hidden // heads:
         hf["head_dim"] = _positive_int(path, f"{arch}.attention.key_length", head_dim)
-    if any(n.endswith(".attn_q.bias") for n in tensor_names) and arch in ("llama", "qwen3", *GEMMA):
+    biased = ("llama", "qwen3", "qwen3moe", "olmoe", *GEMMA)  # q, k, v (and o) biases together
+    if any(n.endswith(".attn_q.bias") for n in tensor_names) and arch in biased:
         hf["attention_bias"] = True
     _rope_scaling(arch, a, hf, path)
+    moe = moe_architecture(arch, tensor_names, path)
+    if moe:
+        _moe(arch, moe, a, hf, path)
     if arch in GEMMA:
         _gemma(arch, a, hf, path)
     elif arch == "phi3":
         _phi3(a, hf, tensor_names, read, path)
     elif arch == "mistral" and a("attention.sliding_window"):
         hf["sliding_window"] = a("attention.sliding_window")
-    elif arch == "qwen3":
+    elif arch in ("qwen3", "qwen3moe"):  # llama.cpp's qwen3moe graph has no window either
         hf["use_sliding_window"] = False
     keep_none = ("attn_logit_softcapping", "final_logit_softcapping")
     return {k: v for k, v in hf.items() if v is not None or k in keep_none}
@@ -245,8 +388,19 @@ def expected_shapes(arch: str, hf: dict[str, Any], present: Collection[str]) -> 
     norms = {"input_layernorm": (h,), "post_attention_layernorm": (h,)}
     if arch in GEMMA:
         norms.update(pre_feedforward_layernorm=(h,), post_feedforward_layernorm=(h,))
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma3", "qwen3moe"):
         norms.update({"self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,)})
+    elif arch == "olmoe":  # over the whole q / k projection
+        norms.update({"self_attn.q_norm": (q,), "self_attn.k_norm": (kv,)})
+    moe = hf["architectures"][0] if hf["architectures"][0] in MOE else None
+    if moe:  # the router, then each expert's gate, up and down
+        module, (gate, up, down) = moe_names(moe)
+        experts, width = expert_shape(hf, "blk.0.ffn_down_exps.weight")[::2]
+        block = {k: v for k, v in block.items() if not k.startswith("mlp.")}
+        block[f"{module}.gate"] = (experts, h)
+        for e in range(experts):
+            block.update({f"{module}.experts.{e}.{gate}": (width, h), f"{module}.experts.{e}.{up}": (width, h),
+                          f"{module}.experts.{e}.{down}": (h, width)})
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         for proj, shape in block.items():
@@ -260,5 +414,6 @@ def expected_shapes(arch: str, hf: dict[str, Any], present: Collection[str]) -> 
     return shapes
 
 
-__all__ = ["ARCHITECTURES", "BLOCK_NAMES", "CONSUMED", "GGUFError", "TOP_NAMES", "expected_shapes",
-           "fix_values", "hf_config", "hf_name", "unpermute_rows"]
+__all__ = ["ARCHITECTURES", "BLOCK_NAMES", "CONSUMED", "EXPERT_KINDS", "GGUFError", "MOE_ARCHITECTURES",
+           "TOP_NAMES", "expected_shapes", "expert_parts", "expert_shape", "fix_values", "hf_config", "hf_name",
+           "is_expert_tensor", "moe_architecture", "unpermute_rows"]
