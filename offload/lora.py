@@ -148,6 +148,9 @@ def _features(base: nn.Module, name: str) -> tuple[int, int]:
     if not isinstance(in_f, int) or not isinstance(out_f, int) or not callable(base):
         raise LoraError(f"LoRA cannot wrap {name} ({type(base).__name__}): it needs a projection "
                         f"with in_features/out_features (nn.Linear or QuantLinear)")
+    if getattr(base, "input_major", False):  # gpt-oss's experts (offload/models/moe.py)
+        raise LoraError(f"LoRA on {name} is not built (gpt-oss's experts hold their weights [in, out], "
+                        f"and PEFT cannot target them): target the attention, --lora-targets q,k,v,o")
     return in_f, out_f
 
 

@@ -12,7 +12,6 @@ print the plan, load, generate (tokens printed as they come), report speed again
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from typing import Sequence
@@ -26,7 +25,6 @@ import torch  # noqa: E402
 from tqdm import tqdm
 
 from nvme.format import held_lock
-from offload import kernel_trust
 from offload.config import format_bytes, read_regular_file
 from offload.infer.generate import SamplingParams, check_prompts, generate
 from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_parameter_, kv_cache_bytes,
@@ -37,7 +35,7 @@ from offload.infer.plan import (MODES, Links, measure_links, plan_inference, str
 from offload.models import kernels, load_streamed
 from offload.models.quantized import load_quantized_streamed, quantized_block_bytes
 from offload.quant.matmul import kernels_run
-from offload.memory.tiers import device_free_bytes, disk_free_bytes, host_free_bytes, peak_rss_bytes
+from offload.memory.tiers import device_free_bytes, disk_free_bytes, host_free_bytes
 from offload.data.tokenizer import StreamDecoder, load_tokenizer
 from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_args, add_device_args,
                             check_budget_flags, dtype_label, group_size_arg, note_unused_tensors,
@@ -45,7 +43,8 @@ from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_arg
 from runners.infer_checks import chat_template_vars, check_flags, check_interactive, check_tokenizer
 from runners.infer_lora import add_adapter_arg, attach_adapter, check_adapter
 from runners.infer_quant import convert_quantized, quant_scratch, quant_source
-from runners.report import kernels_line
+from runners.infer_experts import add_expert_args, check_expert_flags, expert_sizes, plan_model_experts
+from runners.infer_report import print_report, run_metrics
 
 DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
 MAX_PROMPT_FILE_BYTES = 64 << 20
@@ -90,6 +89,7 @@ def build_parser() -> Parser:
                         "as they are")
     p.add_argument("--group-size", type=group_size_arg, default=0, metavar="N|channel",
                    help=GROUP_SIZE_HELP)
+    add_expert_args(p)
     p.add_argument("--mode", default="latency", choices=MODES)
     p.add_argument("--kv-cache", default="auto", choices=["auto", "device", "host"],
                    help="where the KV cache lives: auto = the device, unless --mode throughput on a "
@@ -244,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu_budget, cpu_budget = check_budget_flags(args, device)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     cfg, path, is_random = resolve_model(args, dtype)
+    check_expert_flags(args, cfg)  # before anything is generated or loaded
     args.lora = check_adapter(args.adapter, cfg)  # before anything is loaded (runners/infer_lora.py)
     tokenizer = None if is_random else load_tokenizer(path)
     check_tokenizer(tokenizer, cfg, path)
@@ -269,11 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget, cpu_budget,
          sampling, quant=None) -> int:
-    plan = _plan(args, cfg, reader, len(batches[0]), context, device, dtype, gpu_budget, cpu_budget,
-                 quant)
+    plan, sizes, staging = _plan(args, cfg, reader, len(batches[0]), context, device, dtype,
+                                 gpu_budget, cpu_budget, quant)
     qblocks = (convert_quantized(args, cfg, reader, dtype, quant)
                if quant is not None and reader is not None and not args.dry_run else None)
     links, measured = _probe_links(args, cfg, reader, plan, device, qblocks)
+    if sizes is not None:  # an MoE model: its experts in what the dense parts left
+        plan_model_experts(args, cfg, plan, sizes, device, dtype, links, staging)
     block = plan.block_bytes[0] if plan.block_bytes else 0
     kind = (dtype_label(dtype) if quant is None else
             f"{args.quantize} (projections; the rest {dtype_label(dtype)})")
@@ -297,13 +300,14 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         return 0
     with tqdm(total=cfg.num_hidden_layers, desc="loading blocks", unit="block",
               file=sys.stderr) as bar:
+        experts = plan.experts.placement() if plan.experts is not None else None
         if qblocks is not None:
             model, streamer = load_quantized_streamed(
                 reader, qblocks, plan.residency, device=device, dtype=dtype,
-                nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1))
+                nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1), experts=experts)
         else:
             model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
-                                            nvme_ahead=args.nvme_ahead,
+                                            nvme_ahead=args.nvme_ahead, experts=experts,
                                             progress=lambda i: bar.update(1))
     attach_adapter(model, args.lora)
     stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
@@ -316,8 +320,11 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
                                                     sampling, stop, device, dtype, plan.kv_tier)
     finally:
         streamer.close()
-    metrics = _metrics(results, plan, links, device, len(batches[0]), calls_before)
-    _report(metrics)
+        if model.expert_store is not None:
+            model.expert_store.close()
+    metrics = run_metrics(results, plan, links, device, len(batches[0]), calls_before,
+                          getattr(model, "expert_store", None))
+    print_report(metrics)
     if args.output_json:
         out = {"generated_ids": all_ids, "metrics": metrics, "plan": _plan_json(plan)}
         if tokenizer is not None:
@@ -328,8 +335,10 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
 
 def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget, cpu_budget,
           quant=None):
-    """The placement for this model, batch and context under the budgets (and what is free).
-    Quantized blocks are planned at their quantized bytes, stored and streamed as they are."""
+    """(the placement for this model, batch and context under the budgets and what is free; an
+    MoE model's expert sizes or None; whether NVMe reads need host staging). Quantized blocks are
+    planned at their quantized bytes, stored and streamed as they are. An MoE model's blocks are
+    planned as their dense parts: the experts are placed after (runners/infer_experts.py)."""
     L, item = cfg.num_hidden_layers, dtype.itemsize
     if quant is not None:
         blocks = [quantized_block_bytes(cfg, s, dtype) for s in quant[1]]
@@ -339,6 +348,9 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
         stored = ([sum(loc.nbytes for loc in reader.block_locations(i)) for i in range(L)] if reader
                   else blocks)
         stored_dtype = reader.block_locations(0)[0].dtype if reader else dtype
+    sizes = expert_sizes(cfg, reader, dtype, quant, blocks, stored)
+    if sizes is not None:
+        blocks, stored = sizes.dense_block_bytes, sizes.dense_stored_bytes
     host_free = host_free_bytes()
     host_budget = min(cpu_budget, host_free) if cpu_budget else host_free
     if getattr(args, "planned_gpu", False) and cpu_budget:
@@ -348,6 +360,7 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
     else:
         dev_free = device_free_bytes(device)
         dev_budget = min(gpu_budget, dev_free) if gpu_budget else dev_free
+    staging = device.type == "cuda" or stored_dtype != dtype
     return plan_inference(
         block_bytes=blocks, stored_block_bytes=stored,
         non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item
@@ -362,10 +375,10 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
         force=None if args.weights == "auto" else args.weights, nvme_ahead=args.nvme_ahead,
         kv_tier=args.kv_cache, num_layers=L,
         kv_positions_per_step=max(1, context - args.max_new_tokens // 2),
-        staging_needed=device.type == "cuda" or stored_dtype != dtype,
+        staging_needed=staging,
         scratch_bytes=kernels.scratch_bytes(device, dtype) + quant_scratch(cfg, quant, batch, context,
                                                                             args.max_new_tokens,
-                                                                            device, dtype))
+                                                                            device, dtype)), sizes, staging
 
 
 
@@ -499,7 +512,13 @@ def _plan_json(plan) -> dict:
     return {"residency": plan.residency, "device_need": plan.device_need, "host_need": plan.host_need,
             "block_bytes": plan.block_bytes, "kv_bytes": plan.kv_bytes, "mode": plan.mode,
             "kv_tier": plan.kv_tier, "max_batch": plan.max_batch,
-            "max_batch_device_kv": plan.max_batch_device_kv}
+            "max_batch_device_kv": plan.max_batch_device_kv,
+            "experts": None if plan.experts is None else {
+                "homes": {t: plan.experts.count(t) for t in ("device", "cpu", "nvme")},
+                "expert_bytes": plan.experts.expert_bytes,
+                "stored_expert_bytes": plan.experts.stored_expert_bytes,
+                "pool_bytes": plan.experts.pool_bytes, "host_bytes": plan.experts.host_bytes,
+                "bytes_per_token": plan.experts.per_step(1)}}
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -516,74 +535,6 @@ def _stop_ids(cfg: ModelConfig, tokenizer) -> list[int]:
     if tokenizer is not None:
         ids += tokenizer.stop_ids()
     return sorted(set(ids))
-
-
-def _metrics(results, plan, links, device, batch, calls_before: dict[str, int] | None = None) -> dict:
-    calls_before = calls_before or {}
-    pre_tok = sum(r.prompt_tokens for r in results)
-    pre_s = sum(r.prefill_s for r in results)
-    dec_tok = sum(r.decode_tokens for r in results)
-    dec_s = sum(r.decode_s for r in results)
-    steps = sum(r.decode_steps for r in results)
-    moved = {"h2d": sum(r.kv_h2d_bytes for r in results), "disk": 0}
-    wait_s = 0.0
-    for r in results:
-        if r.decode_stream is not None:
-            for k in moved:
-                moved[k] += r.decode_stream.moved_bytes[k]
-            wait_s += r.decode_stream.wait_s
-    floor_step = plan.floor_s_per_step(links)
-    step_s = dec_s / steps if steps else math.nan
-    # A step faster than the floor means the links were measured below what the run got (a
-    # cache between us and the disk warming up as every step re-reads the same bytes): no
-    # percentage above 100 is printed; the bandwidth the run's own counters show is.
-    beat = bool(floor_step and steps and step_s < floor_step)
-    peak_dev = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes())
-    return {
-        "prefill_tokens_per_s": pre_tok / pre_s if pre_s else 0.0,
-        "decode_tokens_per_s": dec_tok / dec_s if dec_s else 0.0,
-        "decode_s_per_step": step_s, "batch_size": batch, "decode_steps": steps,
-        "bytes_per_token": {"cpu": moved["h2d"] / dec_tok if dec_tok else 0.0,
-                            "nvme": moved["disk"] / dec_tok if dec_tok else 0.0},
-        "blocks_per_tier": {t: plan.count(t) for t in ("device", "cpu", "nvme")},
-        "link_gbps": {"h2d": links.h2d_gbps, "disk": links.disk_gbps},
-        "floor_s_per_step": floor_step,
-        "floor_s_per_token": floor_step / batch,
-        "percent_of_floor": (100.0 * floor_step / step_s if floor_step and steps and not beat
-                             else None),
-        "run_disk_gbps": moved["disk"] / steps / step_s / 1e9 if steps and step_s > 0 else 0.0,
-        "beat_floor": beat,
-        "compute_wait_s": wait_s,
-        "peak_device_bytes": peak_dev, "peak_host_bytes": peak_rss_bytes(),
-        # which quantized product kernels ran, and what was checked on this CPU before any
-        # fast kernel was trusted (offload/kernel_trust.py)
-        "kernels": {"quantized_calls": {k: n - calls_before.get(k, 0) for k, n in kernels_run().items()
-                                        if n > calls_before.get(k, 0)},
-                    "checked": kernel_trust.verdicts()},
-    }
-
-
-def _report(m: dict) -> None:
-    if m["percent_of_floor"] is not None:
-        pct = f"{m['percent_of_floor']:.0f}% of floor"
-    elif m["beat_floor"]:
-        pct = (f"faster than the floor: disk-bound at {m['run_disk_gbps']:.2f} GB/s by the run's "
-               f"own counters (the probe measured less)")
-    else:
-        pct = "floor n/a (nothing streamed)"
-    print(f"prefill {m['prefill_tokens_per_s']:.1f} tok/s | decode {m['decode_tokens_per_s']:.2f} tok/s "
-          f"(batch {m['batch_size']}, {m['decode_s_per_step']:.3f} s/step)", file=sys.stderr)
-    print(f"streamed per token: host->device {format_bytes(m['bytes_per_token']['cpu'])}, "
-          f"nvme {format_bytes(m['bytes_per_token']['nvme'])} | links: h2d "
-          f"{m['link_gbps']['h2d']:.2f} GB/s, disk {m['link_gbps']['disk']:.2f} GB/s | floor "
-          f"{m['floor_s_per_step']:.3f} s/step, {pct} | compute waited {m['compute_wait_s']:.2f} s",
-          file=sys.stderr)
-    print(f"peak memory: device {format_bytes(m['peak_device_bytes'])}, host (RSS) "
-          f"{format_bytes(m['peak_host_bytes'])}", file=sys.stderr)
-    line = kernels_line(m["kernels"])
-    if line:
-        print(line, file=sys.stderr)
-
 
 
 def entry() -> None:

@@ -58,11 +58,24 @@ MOE_FAMILIES: dict[str, tuple[type, type, dict]] = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 {**MOE, "num_local_experts": 8, "sliding_window": 9}),
 }
+# gpt-oss (tests/test_gpt_oss.py; apart from MOE_FAMILIES, whose tests expect three projections
+# per expert): 8 experts top-2, sliding and full layers alternating (window 6), head_dim !=
+# hidden/heads, YaRN with a short original context (a ramp over several dimensions), a SwiGLU
+# limit and alpha of its own (the limit low enough that both clamps bite on these weights);
+# sinks, the router's and experts' biases random like every other weight
+GPT_OSS_FAMILIES: dict[str, tuple[type, type, dict]] = {
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
+                {**MOE, "num_local_experts": 8, "head_dim": 24, "sliding_window": 6,
+                 "swiglu_limit": 0.5, "swiglu_alpha": 1.3,
+                 "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                     "original_max_position_embeddings": 32}}),
+}
 
 
 def random_family_model(name: str, seed: int = 0) -> torch.nn.Module:
     """A transformers model of family case `name` with every weight random, in eval mode, fp32."""
-    cfg_cls, model_cls, overrides = {**FAMILIES, **MOE_FAMILIES}[name]
+    cfg_cls, model_cls, overrides = {**FAMILIES, **MOE_FAMILIES, **GPT_OSS_FAMILIES}[name]
     torch.manual_seed(seed)
     overrides = {k: (dict(v) if isinstance(v, dict) else v) for k, v in overrides.items()}  # transformers mutates them
     hf = model_cls(cfg_cls(**{**SMALL, **overrides})).eval()
@@ -137,3 +150,39 @@ class Case:
             if single:
                 got = generate(model, [self.prompt], max_new_tokens=self.new, streamer=streamer).tokens
                 assert got == want["single"], self.name
+
+
+def dequantized_reference(case: "Case", blocks) -> torch.nn.Module:
+    """transformers' model of the case with every projection replaced by our dequantized codes,
+    each expert's written into its rows of the fused gate_up_proj / down_proj; the router dense."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from nvme.format import SafetensorsFile
+    from offload.models import ModelConfig, block_parameter_shapes
+    from offload.models.families import moe_names
+    from offload.models.quantized import block_file
+    from offload.quant.format import dequantize
+    hf = type(case.hf)(copy.deepcopy(case.hf.config)).eval()
+    hf.load_state_dict(case.hf.state_dict())
+    hf.generation_config.eos_token_id = None
+    cfg = ModelConfig.from_hf(json.loads((Path(case.path) / "config.json").read_text()))
+    module, (gate, up, down) = moe_names(cfg.architecture)
+    shapes, I = block_parameter_shapes(cfg), cfg.moe_intermediate_size
+    for i, layer in enumerate(hf.model.layers):
+        with SafetensorsFile(block_file(blocks.path, i)) as f:
+            for proj, spec in blocks.specs[i].items():
+                parts = {n: f.read(f"{proj}.{n}")
+                         for n in ["qweight", "scales"] + (["mins"] if spec.bits == 4 else [])}
+                w = dequantize(parts, spec, shapes[f"{proj}.weight"][1], torch.float32)
+                with torch.no_grad():
+                    if not proj.startswith(f"{module}.experts."):
+                        layer.get_submodule(proj).weight.copy_(w)
+                        continue
+                    _, _, e, p = proj.split(".")
+                    fused = layer.mlp.experts
+                    target = {gate: fused.gate_up_proj[int(e), :I], up: fused.gate_up_proj[int(e), I:],
+                              down: fused.down_proj[int(e)]}[p]
+                    target.copy_(w)
+    return hf

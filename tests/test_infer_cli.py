@@ -151,15 +151,15 @@ def test_a_run_faster_than_its_floor_prints_no_percentage_above_100(capsys):
     from types import SimpleNamespace
 
     from offload.infer.plan import Links
-    from runners.infer import _metrics, _report
+    from runners.infer_report import print_report, run_metrics
     stream = SimpleNamespace(moved_bytes={"h2d": 0, "disk": 8 * 10**9}, wait_s=0.0)
     res = SimpleNamespace(prompt_tokens=4, prefill_s=1.0, decode_tokens=8, decode_s=4.0,
                           decode_steps=8, decode_stream=stream, kv_h2d_bytes=0)
     links = Links(h2d_gbps=10.0, disk_gbps=1.0, disk_direct=True)
     for floor_s, beat in ((1.0, True), (0.25, False)):  # 0.5 s per step against each floor
-        plan = SimpleNamespace(floor_s_per_step=lambda _, f=floor_s: f, count=lambda t: 1)
-        m = _metrics([res], plan, links, torch.device("cpu"), 1)
-        _report(m)
+        plan = SimpleNamespace(floor_s_per_step=lambda _, f=floor_s: f, count=lambda t: 1, experts=None)
+        m = run_metrics([res], plan, links, torch.device("cpu"), 1)
+        print_report(m)
         err = capsys.readouterr().err
         assert m["beat_floor"] is beat
         if beat:

@@ -21,7 +21,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from families import MOE_FAMILIES, VOCAB, Case, greedy_reference, hf_logits, save_family_checkpoint  # noqa: E402
+from families import (MOE_FAMILIES, VOCAB, Case, dequantized_reference, greedy_reference,  # noqa: E402
+                      hf_logits, save_family_checkpoint)
 from nvme.format import SafetensorsFile, write_file  # noqa: E402
 from offload.models import (CheckpointError, CheckpointReader, ConfigError, ModelConfig,  # noqa: E402
                             block_parameter_shapes, load_model, load_streamed, num_block_params,
@@ -30,9 +31,9 @@ from offload.models.config import num_active_params  # noqa: E402
 from offload.models.families import moe_names  # noqa: E402
 from offload.models.moe import SparseMoE  # noqa: E402
 from offload.models.presets import PUBLISHED_ACTIVE, PUBLISHED_PARAMS  # noqa: E402
-from offload.models.quantized import (QuantLinear, QuantSettings, block_file,  # noqa: E402
-                                      load_quantized_streamed, quantize_checkpoint)
-from offload.quant.format import QuantSpec, dequantize  # noqa: E402
+from offload.models.quantized import (QuantLinear, QuantSettings, load_quantized_streamed,  # noqa: E402
+                                      quantize_checkpoint)
+from offload.quant.format import QuantSpec  # noqa: E402
 from runners.common import run_main  # noqa: E402
 from runners.infer import main as infer_main  # noqa: E402
 
@@ -149,33 +150,6 @@ def test_block_equals_transformers_eager_bit_for_bit_at_top4_and_in_bf16(name, d
 
 
 # ---- int8 / int4 ----------------------------------------------------------------------------------
-def dequantized_reference(case: Case, blocks) -> torch.nn.Module:
-    """transformers' model of the case with every projection replaced by our dequantized codes,
-    each expert's written into its rows of the fused gate_up_proj / down_proj; the router dense."""
-    hf = type(case.hf)(copy.deepcopy(case.hf.config)).eval()
-    hf.load_state_dict(case.hf.state_dict())
-    hf.generation_config.eos_token_id = None
-    cfg = ModelConfig.from_hf(json.loads((Path(case.path) / "config.json").read_text()))
-    module, (gate, up, down) = moe_names(cfg.architecture)
-    shapes, I = block_parameter_shapes(cfg), cfg.moe_intermediate_size
-    for i, layer in enumerate(hf.model.layers):
-        with SafetensorsFile(block_file(blocks.path, i)) as f:
-            for proj, spec in blocks.specs[i].items():
-                parts = {n: f.read(f"{proj}.{n}")
-                         for n in ["qweight", "scales"] + (["mins"] if spec.bits == 4 else [])}
-                w = dequantize(parts, spec, shapes[f"{proj}.weight"][1], torch.float32)
-                with torch.no_grad():
-                    if not proj.startswith(f"{module}.experts."):
-                        layer.get_submodule(proj).weight.copy_(w)
-                        continue
-                    _, _, e, p = proj.split(".")
-                    fused = layer.mlp.experts
-                    target = {gate: fused.gate_up_proj[int(e), :I], up: fused.gate_up_proj[int(e), I:],
-                              down: fused.down_proj[int(e)]}[p]
-                    target.copy_(w)
-    return hf
-
-
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_equals_transformers_with_dequantized_experts(cases, name, mode, tmp_path):
@@ -298,7 +272,11 @@ def test_moe_presets_plan_in_a_dry_run(tmp_path, capsys):
         assert rc == 0 and "B active" in err, err
         cfg, plan = preset(name), json.loads(out.read_text())["plan"]
         assert len(plan["residency"]) == cfg.num_hidden_layers
-        assert abs(sum(plan["block_bytes"]) / (4 * num_block_params(cfg) * cfg.num_hidden_layers) - 1) < 0.01
+        # the blocks' dense parts, and every expert placed on its own (tests/test_experts.py)
+        experts = plan["experts"]
+        assert sum(experts["homes"].values()) == cfg.num_hidden_layers * cfg.num_experts
+        placed = sum(plan["block_bytes"]) + sum(experts["homes"].values()) * experts["expert_bytes"]
+        assert abs(placed / (4 * num_block_params(cfg) * cfg.num_hidden_layers) - 1) < 0.01
 
 
 # ---- refusals -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 from offload.infer.kv_cache import OffloadedKVCache
 from offload.models import KVCache, LlamaForCausalLM
 from offload.stream.stats import StreamStats
+from offload.stream.experts import ExpertStats
 from offload.stream.streamer import BlockStreamer
 
 
@@ -112,6 +113,9 @@ class GenerationResult:
     decode_stream: StreamStats | None = None
     finished: list[bool] = field(default_factory=list)  # ended by a stop token
     kv_h2d_bytes: int = 0  # an offloaded KV cache: past positions brought to the device
+    # an MoE model's experts placed one by one (offload/stream/experts.py): what they cost
+    prefill_experts: ExpertStats | None = None
+    decode_experts: ExpertStats | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -248,6 +252,8 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], *, max_n
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     rows = _Rows(B, stop_ids, on_tokens)
     snap = streamer.stats.copy() if streamer is not None else None
+    store = getattr(model, "expert_store", None)
+    esnap = store.stats.copy() if store is not None else None
     try:
         t0 = time.perf_counter()
         logits = model(batch.ids.to(device), attention_mask=batch.mask[:, :T] if batch.padded else None,
@@ -257,6 +263,9 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], *, max_n
         pre_stats = None
         if streamer is not None:
             pre_stats, snap = streamer.stats.copy().minus(snap), streamer.stats.copy()
+        pre_experts = None
+        if store is not None:
+            pre_experts, esnap = store.stats.copy().minus(esnap), store.stats.copy()
         rows.take(0, tok)
         t1 = time.perf_counter()
         steps, decode_tokens = _decode(model, batch, cache, tok, rows, max_new_tokens, sampling,
@@ -265,9 +274,16 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], *, max_n
     except BaseException:
         if streamer is not None:
             streamer.release_all()
+        if store is not None:
+            store.release_all()
         raise
     dec_stats = streamer.stats.copy().minus(snap) if streamer is not None else None
+    dec_experts = None
+    if store is not None:
+        store.release_all()  # the last step's predictions: nothing comes after it
+        dec_experts = store.stats.copy().minus(esnap)
     return GenerationResult(tokens=rows.out, prompt_tokens=sum(len(p) for p in prompts),
                             decode_tokens=decode_tokens, decode_steps=steps, prefill_s=prefill_s,
                             decode_s=decode_s, prefill_stream=pre_stats, decode_stream=dec_stats,
-                            finished=rows.finished, kv_h2d_bytes=getattr(cache, "h2d_bytes", 0))
+                            finished=rows.finished, kv_h2d_bytes=getattr(cache, "h2d_bytes", 0),
+                            prefill_experts=pre_experts, decode_experts=dec_experts)

@@ -30,6 +30,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from offload.config import format_bytes
 from offload.gpu import on_stream
 from offload.stream.slots import slot_raw_bytes
 from offload.memory.tiers import BudgetError, host_aligned, pinned_bytes
+
+if TYPE_CHECKING:
+    from offload.infer.expert_plan import ExpertPlan
 
 MODES = ("latency", "throughput")
 FORCED = ("device", "cpu", "nvme")
@@ -100,6 +104,20 @@ class InferencePlan:
     kv_tier: str = "device"
     kv_h2d_bytes_per_step: int = 0  # past keys/values copied in per decode step (average)
     max_batch_device_kv: int | None = None  # throughput: the largest batch with the KV on the device
+    # an MoE model's routed experts, placed one by one (offload/infer/expert_plan.py); the
+    # blocks above are then their dense parts
+    experts: "ExpertPlan | None" = None
+
+    def add_experts(self, experts: "ExpertPlan") -> None:
+        """Join the experts' plan, made in what this plan left: its bytes count in the needs."""
+        self.experts = experts
+        dev = experts.count("device") * experts.expert_bytes + experts.pool_bytes
+        if self.device_is_host:
+            self.device_need += dev + experts.host_bytes
+            self.host_need = self.device_need
+        else:
+            self.device_need += dev
+            self.host_need += experts.host_bytes
 
     def count(self, tier: str) -> int:
         return sum(r == tier for r in self.residency)
@@ -112,6 +130,9 @@ class InferencePlan:
         'disk' (NVMe blocks read, in the checkpoint's dtype)."""
         h2d = (0 if self.zero_copy_host else self.tier_bytes("cpu")) + self.kv_h2d_bytes_per_step
         disk = sum(s for s, r in zip(self.stored_block_bytes, self.residency) if r == "nvme")
+        if self.experts is not None:  # the routed experts expected per step (spread evenly)
+            e = self.experts.per_step(self.batch_size)
+            h2d, disk = h2d + int(e["h2d"]), disk + int(e["disk"])
         return {"h2d": h2d, "disk": disk}
 
     def floor_s_per_step(self, links: Links) -> float:
@@ -125,15 +146,26 @@ class InferencePlan:
                 out += s[key] / (gbps * 1e9) if gbps > 0 else float("inf")
         return out
 
+    def _experts_on(self, tier: str) -> str:
+        """" + experts N" for the device or host line (an MoE model's experts, placed apart)."""
+        e = self.experts
+        if e is None:
+            return ""
+        dev = e.count("device") * e.expert_bytes + e.pool_bytes
+        n = {"device": dev + (e.host_bytes if self.device_is_host else 0),
+             "host": 0 if self.device_is_host else e.host_bytes}[tier]
+        return f" + experts {format_bytes(n)}" if n else ""
+
     def describe(self, links: Links | None = None) -> str:
         dev = "device (= host RAM)" if self.device_is_host else "device"
         lines = [f"plan: {self.mode} mode, batch {self.batch_size}, context {self.context} tokens",
                  f"  {dev}: {self.count('device')} blocks {format_bytes(self.tier_bytes('device'))}"
                  f" + non-block {format_bytes(self.non_block_bytes)} + KV cache "
                  f"{format_bytes(self.kv_bytes)} + workspace {format_bytes(self.workspace_bytes)}"
-                 f" + {self.slot_count} slots {format_bytes(self.slot_bytes)}"
+                 f" + {self.slot_count} slots {format_bytes(self.slot_bytes)}{self._experts_on('device')}"
                  f" = {format_bytes(self.device_need)} of {format_bytes(self.device_budget)}"]
         host_extra = f" + staging {format_bytes(self.staging_bytes)}" if self.staging_bytes else ""
+        host_extra += self._experts_on("host")
         if self.device_is_host:
             lines.append(f"  host:   {self.count('cpu')} blocks {format_bytes(self.tier_bytes('cpu'))}"
                          f"{host_extra} (same pool as the device)")
@@ -142,8 +174,9 @@ class InferencePlan:
                          f"{host_extra} = {format_bytes(self.host_need)} of "
                          f"{format_bytes(self.host_budget)}")
         s = self.streamed_per_step()
+        what = "blocks and routed experts" if self.experts is not None else "blocks"
         lines.append(f"  nvme:   {self.count('nvme')} blocks, {format_bytes(s['disk'])} read per step "
-                     f"from disk, as stored (the checkpoint's shards, or the quantized blocks)")
+                     f"from disk ({what}), as stored (the checkpoint's shards, or the quantized blocks)")
         if links is not None:
             floor = self.floor_s_per_step(links)
             if floor > 0:
@@ -161,6 +194,8 @@ class InferencePlan:
             lines.append(f"  largest batch that fits at this context{kv_where}: {self.max_batch}")
         if self.max_batch_device_kv is not None and self.kv_tier == "host":
             lines.append(f"  largest batch with the KV cache on the device: {self.max_batch_device_kv}")
+        if self.experts is not None:
+            lines.append(self.experts.describe())
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -123,22 +123,26 @@ def verify_ranges(i: int, checks: list[RangeCheck], stored: torch.Tensor) -> Non
                 f"download or restore it again")
 
 
-def streamed_params(layer: nn.Module, frozen_only: bool = False) -> dict[str, nn.Parameter]:
+def streamed_params(layer: nn.Module, frozen_only: bool = False,
+                    skip: tuple[str, ...] = ()) -> dict[str, nn.Parameter]:
     """The parameters of `layer` a streamed block holds, module order: all of them, or with
     `frozen_only` those that need no gradient (a LoRA model's frozen base: the adapters beside
-    it stay where they are, trained by the engine)."""
-    return {n: p for n, p in layer.named_parameters() if not (frozen_only and p.requires_grad)}
+    it stay where they are, trained by the engine); none whose name starts with one of `skip`
+    (placed by someone else: an MoE layer's routed experts, offload/stream/experts.py)."""
+    return {n: p for n, p in layer.named_parameters()
+            if not (frozen_only and p.requires_grad) and not n.startswith(skip)}
 
 
 def layout_block(i: int, layer: nn.Module, ranges: list[TensorRange] | None, *, residency: str,
                  adopted: bool, device: torch.device, dtype: torch.dtype,
-                 empty: torch.Tensor, frozen_only: bool = False) -> BlockLayout:
+                 empty: torch.Tensor, frozen_only: bool = False,
+                 skip: tuple[str, ...] = ()) -> BlockLayout:
     """Block i's flat layout: parameters in file order when a file source is given (so a block
     stored contiguously is one read), else in module order. `adopted`: the caller owns the
     block's flat host buffer already (no other source needed). Parameters that cannot take
     device storage in place (meta, another device or dtype) are replaced once by ones pointing at
-    `empty`; from then on only their `.data` changes. `frozen_only`: see streamed_params."""
-    params = streamed_params(layer, frozen_only)
+    `empty`; from then on only their `.data` changes. `frozen_only`, `skip`: see streamed_params."""
+    params = streamed_params(layer, frozen_only, skip)
     if ranges is not None:
         order, stored, runs, shift, checks = _file_runs(i, params, ranges, dtype)
         out = BlockLayout(Block(index=i, name=str(i), module=layer), stored, runs, shift,

@@ -1,5 +1,5 @@
 """The decoder of every supported family (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, and the
-mixtures of experts Qwen3-MoE, OLMoE, Mixtral): config
+mixtures of experts Qwen3-MoE, OLMoE, Mixtral, gpt-oss): config
 and presets, the decoder with its KV cache, meta building and block-by-block materialisation,
 Hugging Face and GGUF checkpoints in and out."""
 

@@ -6,7 +6,8 @@ and `llama.py` builds modules from it. One decoder serves every family; the fiel
 the options a family switches on (Qwen3's q/k norms, Gemma's (1 + w) norms around attention
 and MLP, soft-capping, per-layer sliding windows and RoPE bases, GeGLU, the embedding scale;
 Phi-3's fused projections, partial rotation and LongRoPE; OLMoE's whole-projection q/k norms and
-q/k/v clipping; the mixtures of experts' router and experts, moe.py). Reading and writing Hugging Face
+q/k/v clipping; the mixtures of experts' router and experts, moe.py; gpt-oss's attention sinks
+and clamped SwiGLU experts). Reading and writing Hugging Face
 `config.json` per family lives in `families.py`; presets in `presets.py`.
 
 Anything a config asks for that the decoder does not do is refused here in one line naming
@@ -22,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # the per-family rules and config.json spellings (families.py imports nothing from here)
-from offload.models.families import (ARCHITECTURES, ROUTERS, ConfigError, check_family,
-                                     config_fields_from_hf, config_to_hf, moe_names)
+from offload.models.families import (ARCHITECTURES, GPT_OSS, ROUTERS, ConfigError, check_family,
+                                     config_fields_from_hf, config_to_hf, moe_names, router_module)
 
 # RoPE variants and the keys each requires. "longrope" switches between two static sets by the
 # forward's largest position (rope.py); "dynamic" rescales with the running length: refused.
@@ -39,7 +40,8 @@ _ROPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
     "longrope": ("factor", "attention_factor"),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with tanh-approximated GELU (Gemma)
-NORM_STYLES = ("llama", "gemma")  # w * norm(x).to(dtype)  |  (norm(x) * (1 + w)).to(dtype)
+# w * norm(x).to(dtype)  |  (norm(x) * (1 + w)).to(dtype)  |  (w * norm(x)).to(dtype) (gpt-oss)
+NORM_STYLES = ("llama", "gemma", "fp32_scale")
 LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -95,6 +97,13 @@ class ModelConfig:
     moe_router: str = "softmax_topk"  # one of ROUTERS (families.py)
     # training's load-balancing loss coefficient: not built, carried through config.json
     router_aux_loss_coef: float | None = None
+    # ---- gpt-oss ----------------------------------------------------------------------------
+    attention_sinks: bool = False  # a learned logit per head (`self_attn.sinks`) joins each softmax
+    # gpt-oss's experts (not None): clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g = gate
+    # clamped to <= limit, up to [-limit, limit]; with biases, gate and up interleaved in one
+    # `gate_up_proj`, weights stored [in, out] as its checkpoints store them (moe.py)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if (self.head_dim == 0 and type(self.num_attention_heads) is int
@@ -152,7 +161,7 @@ class ModelConfig:
         if self.norm_style not in NORM_STYLES:
             raise ConfigError(f"norm_style {self.norm_style!r} is not one of {NORM_STYLES}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                     "rope_local_theta"):
+                     "rope_local_theta", "swiglu_limit", "swiglu_alpha"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value > 0):
                 raise ConfigError(f"{name} must be null or a finite number > 0, got {value!r}")
@@ -318,12 +327,14 @@ def block_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.num_experts:  # the router, then each expert's gate, up, down (moe.py's order)
         module, (gate, up, down) = moe_names(cfg.architecture)
         e_f = cfg.moe_intermediate_size
-        mlp = {f"{module}.gate": (cfg.num_experts, h, False)}
-        for e in range(cfg.num_experts):
+        mlp = {f"{module}.{router_module(cfg.architecture)}": (cfg.num_experts, h, cfg.swiglu_limit is not None)}
+        for e in range(cfg.num_experts if cfg.swiglu_limit is None else 0):  # gpt-oss's: below
             prefix = f"{module}.experts.{e}."
             mlp.update({prefix + gate: (e_f, h, False), prefix + up: (e_f, h, False),
                         prefix + down: (h, e_f, False)})
     shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.attention_sinks:  # a parameter of the attention module itself: listed before its children's
+        shapes["self_attn.sinks"] = (cfg.num_attention_heads,)
     for proj, (out_f, in_f, bias) in attn.items():
         shapes[f"{proj}.weight"] = (out_f, in_f)
         if bias:
@@ -335,6 +346,12 @@ def block_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{proj}.weight"] = (out_f, in_f)
         if bias:
             shapes[f"{proj}.bias"] = (out_f,)
+    if cfg.num_experts and cfg.swiglu_limit is not None:  # gpt-oss: weights [in, out], biases
+        e_f = cfg.moe_intermediate_size
+        for e in range(cfg.num_experts):
+            prefix = f"mlp.experts.{e}."
+            shapes.update({prefix + "gate_up_proj.weight": (h, 2 * e_f), prefix + "gate_up_proj.bias": (2 * e_f,),
+                           prefix + "down_proj.weight": (e_f, h), prefix + "down_proj.bias": (h,)})
     norms = ["input_layernorm", "post_attention_layernorm"]
     if cfg.sandwich_norms:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -345,7 +362,15 @@ def block_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def router_name(cfg: ModelConfig) -> str | None:
     """The MoE router's weight (relative to a layer), or None for a dense model."""
-    return f"{moe_names(cfg.architecture)[0]}.gate.weight" if cfg.num_experts else None
+    if not cfg.num_experts:
+        return None
+    return f"{moe_names(cfg.architecture)[0]}.{router_module(cfg.architecture)}.weight"
+
+
+def input_major(cfg: ModelConfig, name: str) -> bool:
+    """Whether weight `name` is stored [in, out] (gpt-oss's experts, as its checkpoints hold
+    them) rather than nn.Linear's [out, in]: int8/int4 conversion quantizes its transpose."""
+    return cfg.swiglu_limit is not None and ".experts." in name and name.endswith(".weight")
 
 
 def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -384,13 +409,20 @@ def num_block_params(cfg: ModelConfig) -> int:
 
 
 def expert_params(cfg: ModelConfig) -> int:
-    """Parameters of one expert (gate, up and down projections); 0 for a dense model."""
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size if cfg.num_experts else 0
+    """Parameters of one expert (gate, up and down projections, gpt-oss's biases); 0 for a
+    dense model."""
+    if not cfg.num_experts:
+        return 0
+    h, f = cfg.hidden_size, cfg.moe_intermediate_size
+    return 3 * h * f + (2 * f + h if cfg.swiglu_limit is not None else 0)
 
 
 def num_active_params(cfg: ModelConfig) -> int:
     """Parameters a token runs through: all of them but the experts it is not routed to
     (num_experts - num_experts_per_tok per layer); the router, embeddings and head count as
-    active, as the published "active" figures count them (Mixtral 8x7B: 12.9B of 46.7B)."""
+    active, as the published "active" figures count them (Mixtral 8x7B: 12.9B of 46.7B) --
+    but for gpt-oss, whose model card counts the unembedding and not the embedding table (a
+    lookup): 3.61B of 20.91B, 5.13B of 116.83B."""
     idle = cfg.num_hidden_layers * (cfg.num_experts - cfg.num_experts_per_tok) * expert_params(cfg)
-    return num_params(cfg) - idle
+    lookup = cfg.vocab_size * cfg.hidden_size if cfg.architecture == GPT_OSS and not cfg.tie_word_embeddings else 0
+    return num_params(cfg) - idle - lookup

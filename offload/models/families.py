@@ -24,6 +24,9 @@ against transformers' configuration_<family>.py and modeling_<family>.py (5.24):
 | olmoe    | q/k norms over the whole q/k projection width, clip_qkv, sparse MoE MLP   |
 | mixtral  | mistral's attention + a sparse MoE MLP (`block_sparse_moe`, experts'      |
 |          | w1/w3/w2), top-k always renormalised, routing weights kept in fp32        |
+| gpt_oss  | q/k/v/o bias, attention sinks, sliding window on alternate layers, YaRN;  |
+|          | MoE: biased router (`mlp.router`), top-k then softmax over the k, experts |
+|          | with biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit)           |
 
 RoPE in config.json comes in two spellings. Real hub checkpoints (written by transformers 4.x)
 carry a top-level `rope_theta` plus an optional `rope_scaling` dict; transformers 5 writes one
@@ -53,6 +56,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -61,7 +65,8 @@ class ConfigError(ValueError):
 
 
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-MOE = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM")
+GPT_OSS = "GptOssForCausalLM"
+MOE = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
 # per MoE architecture: the MoE module's name in a layer, and each expert's (gate, up, down)
 # projections -- the names transformers' save_pretrained writes (Mixtral keeps its original
 # checkpoint's `block_sparse_moe.experts.E.w1/w3/w2`; transformers renames them on load)
@@ -72,8 +77,9 @@ MOE_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
 }
 # how routing weights are made: softmax over every expert in fp32, top-k, renormalised when
 # norm_topk_prob; "softmax_topk" casts them to the compute dtype before they scale the experts'
-# outputs (Qwen3-MoE, OLMoE), "softmax_topk_fp32" keeps them in fp32 (Mixtral)
-ROUTERS = ("softmax_topk", "softmax_topk_fp32")
+# outputs (Qwen3-MoE, OLMoE), "softmax_topk_fp32" keeps them in fp32 (Mixtral); "topk_softmax":
+# the top-k of the biased router's logits, softmax over those k in the compute dtype (gpt-oss)
+ROUTERS = ("softmax_topk", "softmax_topk_fp32", "topk_softmax")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 # keys a config may leave out, per family: transformers' own defaults for them
@@ -111,16 +117,26 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                            "rope_theta": 1_000_000.0, "tie_word_embeddings": False, "num_experts": 8,
                            "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
                            "bos_token_id": 1, "eos_token_id": 2},
+    GPT_OSS: {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 150000.0,
+              "head_dim": 64, "num_key_value_heads": 8, "tie_word_embeddings": False,
+              "sliding_window": 128, "attention_bias": True, "num_experts": 128,
+              "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001, "swiglu_alpha": 1.702,
+              "swiglu_limit": 7.0},
 }
+# gpt-oss's RoPE when its config.json names none (GptOssConfig's own default)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
 # the MoE keys' spellings: (ours, transformers' alternative name for the same attribute)
 _EXPERT_KEYS = ("num_experts", "num_local_experts")
 _OPTIONS = ("hidden_act", "norm_style", "sandwich_norms", "qk_norm", "embed_scale",
             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
             "layer_types", "rope_local_theta", "fused_projections", "partial_rotary_factor",
             "qk_norm_whole", "clip_qkv", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "norm_topk_prob", "moe_router")
+            "moe_intermediate_size", "norm_topk_prob", "moe_router", "attention_sinks",
+            "swiglu_limit", "swiglu_alpha")
 _DENSE = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
           "norm_topk_prob": False, "moe_router": "softmax_topk", "router_aux_loss_coef": None}
+_NOT_GPT_OSS = {"attention_sinks": False, "swiglu_limit": None, "swiglu_alpha": None}
 
 
 # ---- what each architecture can express ---------------------------------------------------------
@@ -129,7 +145,8 @@ def _fixed_options(arch: str) -> dict[str, Any]:
     if arch in GEMMA:
         return {"hidden_act": "gelu_pytorch_tanh", "norm_style": "gemma", "sandwich_norms": True,
                 "qk_norm": arch == "Gemma3ForCausalLM", "embed_scale": True, "fused_projections": False,
-                "partial_rotary_factor": 1.0, "qk_norm_whole": False, "clip_qkv": None, **_DENSE}
+                "partial_rotary_factor": 1.0, "qk_norm_whole": False, "clip_qkv": None, **_DENSE,
+                **_NOT_GPT_OSS}
     base = {"hidden_act": "silu", "norm_style": "llama", "sandwich_norms": False,
             "qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
             "embed_scale": False, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
@@ -142,9 +159,14 @@ def _fixed_options(arch: str) -> dict[str, Any]:
     if arch not in MOE:
         base.update(_DENSE)
     else:
-        base["moe_router"] = "softmax_topk_fp32" if arch == "MixtralForCausalLM" else "softmax_topk"
+        base["moe_router"] = {"MixtralForCausalLM": "softmax_topk_fp32",
+                              GPT_OSS: "topk_softmax"}.get(arch, "softmax_topk")
     if arch == "MixtralForCausalLM":
         base["norm_topk_prob"] = True  # Mixtral always renormalises its top-k
+    # gpt-oss: a sink logit per head, a softmax over k values (nothing to renormalise), norms
+    # scaled in fp32 (transformers keeps their weights in fp32)
+    base.update({"attention_sinks": True, "norm_topk_prob": False, "norm_style": "fp32_scale"}
+                if arch == GPT_OSS else _NOT_GPT_OSS)
     return base
 
 
@@ -161,12 +183,12 @@ def check_family(cfg: ModelConfig) -> None:
                                     (False, False, True), (True, True, True)},
                "Qwen2ForCausalLM": {(True, False, False)},
                "Qwen3ForCausalLM": both, "Gemma2ForCausalLM": both, "Gemma3ForCausalLM": both,
-               "Qwen3MoeForCausalLM": both, "OlmoeForCausalLM": both,
+               "Qwen3MoeForCausalLM": both, "OlmoeForCausalLM": both, GPT_OSS: both,
                }.get(arch, {(False, False, False)})
     if biases not in allowed:
         raise ConfigError(f"{arch} cannot have (attention_bias, o_proj_bias, mlp_bias)"
                           f" = {biases}; allowed: {sorted(allowed)}")
-    per_layer = arch in GEMMA or arch == "Qwen3ForCausalLM"
+    per_layer = arch in GEMMA or arch in ("Qwen3ForCausalLM", GPT_OSS)
     if cfg.layer_types is not None and not per_layer:
         raise ConfigError(f"{arch} has no per-layer attention kinds (layer_types)")
     if per_layer and cfg.sliding_window is not None and cfg.layer_types is None:
@@ -185,11 +207,19 @@ def check_family(cfg: ModelConfig) -> None:
     if arch in MOE and arch != "Qwen3MoeForCausalLM" and cfg.moe_intermediate_size != cfg.intermediate_size:
         raise ConfigError(f"{arch}'s experts are intermediate_size wide: moe_intermediate_size "
                           f"{cfg.moe_intermediate_size} != intermediate_size {cfg.intermediate_size}")
+    if arch == GPT_OSS and (cfg.swiglu_limit is None or cfg.swiglu_alpha is None):
+        raise ConfigError(f"{arch}'s experts need swiglu_limit and swiglu_alpha (numbers > 0)")
 
 
 def moe_names(arch: str) -> tuple[str, tuple[str, str, str]]:
-    """(the MoE module's name in a layer, each expert's (gate, up, down) projection names)."""
+    """(the MoE module's name in a layer, each expert's (gate, up, down) projection names);
+    gpt-oss's experts are `gate_up_proj` (gate and up interleaved) and `down_proj` instead."""
     return MOE_NAMES.get(arch, ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
+def router_module(arch: str) -> str:
+    """The MoE router's module name inside the MoE module: `gate`, gpt-oss's `router`."""
+    return "router" if arch == GPT_OSS else "gate"
 
 
 # ---- config.json -> ModelConfig fields --------------------------------------------------------
@@ -224,12 +254,17 @@ def _refuse_unsupported(hf: Mapping[str, Any], arch: str) -> None:
         raise ConfigError("use_bidirectional_attention (an embedding model) is not supported")
     if arch in GEMMA:
         act, want = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)
-    else:
+    else:  # gpt-oss's experts ignore hidden_act: their clamped SwiGLU is fixed
         act, want = hf.get("hidden_act", "silu"), ("silu", "swish")
-    if act not in want:
+    if act not in want and arch != GPT_OSS:
         raise ConfigError(f"hidden_act {act!r} is not supported for {arch} (it needs {want[0]!r})")
     if arch in MOE:
         _refuse_unsupported_moe(hf, arch)
+    quant = hf.get("quantization_config")
+    if arch == GPT_OSS and quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"quantization_config {str(method)[:60]!r} is not supported for {arch} "
+                          f"(only its published MXFP4 experts, dequantized on load)")
 
 
 def _refuse_unsupported_moe(hf: Mapping[str, Any], arch: str) -> None:
@@ -270,10 +305,12 @@ def _moe_fields(hf: Mapping[str, Any], d: Mapping[str, Any], arch: str) -> dict[
         moe_intermediate_size=(d.get("moe_intermediate_size") if arch == "Qwen3MoeForCausalLM"
                                else d["intermediate_size"]),
         router_aux_loss_coef=d.get("router_aux_loss_coef"))
-    if arch != "MixtralForCausalLM":
+    if arch not in ("MixtralForCausalLM", GPT_OSS):
         fields["norm_topk_prob"] = bool(d.get("norm_topk_prob", False))
     if arch == "OlmoeForCausalLM":
         fields["clip_qkv"] = d.get("clip_qkv")
+    if arch == GPT_OSS:  # a null here is no default: transformers refuses or breaks on it
+        fields.update({k: hf[k] if k in hf else d[k] for k in ("swiglu_alpha", "swiglu_limit", "sliding_window")})
     return fields
 
 
@@ -345,7 +382,7 @@ def _sliding_window(d: Mapping[str, Any], arch: str) -> int | None:
 def _layer_types(d: Mapping[str, Any], arch: str, layers: int) -> tuple[str, ...] | None:
     """Per-layer attention kinds as transformers derives them when the config omits them."""
     given = d.get("layer_types")
-    if arch not in GEMMA and arch != "Qwen3ForCausalLM":
+    if arch not in GEMMA and arch not in ("Qwen3ForCausalLM", GPT_OSS):
         if given and any(t != FULL for t in given):
             raise ConfigError(f"layer_types with sliding layers are not supported for {arch}")
         return None
@@ -353,7 +390,7 @@ def _layer_types(d: Mapping[str, Any], arch: str, layers: int) -> tuple[str, ...
         if not isinstance(given, list) or len(given) != layers:
             raise ConfigError(f"layer_types must list {layers} entries, got {given!r}")
         return tuple(given)
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", GPT_OSS):
         return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(layers))
     if arch == "Gemma3ForCausalLM":
         pattern = d.get("sliding_window_pattern", 6)
@@ -367,7 +404,7 @@ def _layer_types(d: Mapping[str, Any], arch: str, layers: int) -> tuple[str, ...
 
 def _rope_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """rope_theta, rope_scaling, rope_local_theta and partial_rotary_factor from either spelling."""
-    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    params = d.get("rope_scaling") or d.get("rope_parameters") or (_GPT_OSS_ROPE if arch == GPT_OSS else {})
     if not isinstance(params, dict):
         raise ConfigError(f"rope_parameters/rope_scaling must be an object, got {params!r}")
     local_theta = None
@@ -436,7 +473,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
         "attention_dropout": 0.0, "use_cache": True,
     }
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                "OlmoeForCausalLM") or arch in GEMMA:
+                "OlmoeForCausalLM", GPT_OSS) or arch in GEMMA:
         out["attention_bias"] = cfg.attention_bias
     if arch == "LlamaForCausalLM":
         out["mlp_bias"] = cfg.mlp_bias
@@ -493,5 +530,9 @@ def _moe_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
                    sliding_window=cfg.sliding_window)
     elif arch == "OlmoeForCausalLM":
         out.update(num_experts=cfg.num_experts, norm_topk_prob=cfg.norm_topk_prob, clip_qkv=cfg.clip_qkv)
+    elif arch == GPT_OSS:
+        out.update(num_local_experts=cfg.num_experts, swiglu_alpha=cfg.swiglu_alpha,
+                   swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.sliding_window,
+                   layer_types=list(cfg.layer_types or [FULL] * cfg.num_hidden_layers))
     else:  # Mixtral
         out.update(num_local_experts=cfg.num_experts, router_jitter_noise=0.0)

@@ -31,8 +31,9 @@ from nvme.format import (FormatError, SafetensorsFile, fsync_dir, open_regular, 
 from offload.models.config import (ConfigError, ModelConfig, block_parameter_shapes, block_prefix,
                                    parameter_shapes)
 from offload.models.families import moe_names
-from offload.models.moe import FUSED_EXPERTS, fused_expert_parts
+from offload.models.moe import FUSED_EXPERTS, checkpoint_shapes, fused_expert_parts, fused_for_export
 from offload.models.llama import LlamaForCausalLM, build_model
+from offload.models.mxfp4 import mxfp4_locations, read_mxfp4
 from offload.memory.tiers import all_finite
 
 CONFIG_NAME = "config.json"
@@ -68,6 +69,7 @@ class TensorLocation:
     offset: int  # absolute byte offset of the first byte in `path`
     nbytes: int
     part: bool = False  # a byte range of the stored tensor (one expert of a fused experts tensor)
+    mxfp4: tuple[str, int, int] | None = None  # MXFP4 blocks: their scales' (file, offset, bytes) (mxfp4.py)
 
 
 def _canonical_name(stored: str) -> str | None:
@@ -219,6 +221,7 @@ class CheckpointReader:
         (= save_pretrained's) name and read in place."""
         if not self.config.num_experts:
             return
+        mxfp4_locations(self.locations, self.config, CheckpointError)  # gpt-oss's published experts
         for name in [n for n in self.locations if FUSED_EXPERTS.match(n)]:
             loc = self.locations.pop(name)
             try:
@@ -305,6 +308,8 @@ class CheckpointReader:
         if tuple(out.shape) != loc.shape:
             raise CheckpointError(f"{loc.path}: tensor {loc.stored_name!r} has shape {list(loc.shape)}, "
                                   f"the destination has {list(out.shape)}")
+        if loc.mxfp4 is not None:  # dequantized as it is read
+            return read_mxfp4(self.files, loc, out)
         shard = self.files[os.path.basename(loc.path)]
 
         def fill(buf: torch.Tensor) -> None:
@@ -457,8 +462,9 @@ def save_pretrained(source: StateSource, path: str | os.PathLike, *, config: Mod
         if _is_leftover(name) and os.path.isfile(os.path.join(path, name)):
             os.unlink(os.path.join(path, name))
     previous_shards = _indexed_files(os.path.join(path, INDEX_NAME))
-    shards, total_bytes, seen_dtype = _write_shards(source, parameter_shapes(config), path, dtype,
-                                                    max_shard_bytes)
+    ours = parameter_shapes(config)  # gpt-oss's experts are written fused, as transformers writes them
+    shards, total_bytes, seen_dtype = _write_shards(fused_for_export(config, _named_tensors(source, ours)),
+                                                    checkpoint_shapes(config, ours), path, dtype, max_shard_bytes)
     written = _publish_shards(path, shards, total_bytes)
     written += _write_side_files(path, config, seen_dtype, extra_files)
     for stale in previous_shards - {os.path.basename(w) for w in written}:

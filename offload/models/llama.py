@@ -1,5 +1,5 @@
 """The decoder of every family (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3; with moe.py's
-mixture-of-experts MLP, Qwen3-MoE, OLMoE and Mixtral) whose names mirror Hugging Face exactly.
+mixture-of-experts MLP, Qwen3-MoE, OLMoE, Mixtral and gpt-oss) whose names mirror Hugging Face exactly.
 
 Module and parameter names are the checkpoint names (`model.embed_tokens`, `model.layers[i]...`,
 `model.norm`, `lm_head`), so `state_dict()` needs no renaming. The decoder layers live in one
@@ -39,27 +39,31 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]
 
 # ---- blocks ---------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """RMSNorm in either family's order of operations (both normalise in fp32: bf16 squares
+    """RMSNorm in each family's order of operations (all normalise in fp32: bf16 squares
     lose too much). "llama": cast back, then scale by w (bf16 results then match Llama's
-    reference); "gemma": scale by (1 + w) in fp32, then cast (Gemma's reference)."""
+    reference); "gemma": scale by (1 + w) in fp32, then cast (Gemma's reference);
+    "fp32_scale": scale by w in fp32, then cast (gpt-oss, whose norms transformers keeps in fp32)."""
 
     def __init__(self, size: int, eps: float, style: str = "llama"):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size) if style == "gemma" else torch.ones(size))
-        self.eps, self.offset = eps, style == "gemma"
+        self.eps, self.offset, self.fp32_scale = eps, style == "gemma", style == "fp32_scale"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        if self.fp32_scale:
+            return (self.weight.float() * x32).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
 class Attention(nn.Module):
     """Grouped-query attention with the families' options: fused qkv (Phi-3), q/k norms per
     head before RoPE (Qwen3, Gemma 3), a query scale from query_pre_attn_scalar and tanh
-    soft-capping of the scores (Gemma 2). Parameter names are transformers'."""
+    soft-capping of the scores (Gemma 2), attention sinks (gpt-oss). Parameter names are
+    transformers'."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -81,6 +85,8 @@ class Attention(nn.Module):
         # None: SDPA's default 1/sqrt(head_dim)
         self.scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
         self.softcap = cfg.attn_logit_softcapping
+        # gpt-oss: a learned logit per head joins each query's softmax (its weight is dropped)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads)) if cfg.attention_sinks else None
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, T, nh, D], k and v [B, T, kvh, D]."""
@@ -117,6 +123,8 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         if self.softcap is not None:
             out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        elif self.sinks is not None:
+            out = sink_attention(q, k, v, mask, self.scale, self.sinks)
         else:
             if groups > 1 and not _SDPA_GQA:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -145,6 +153,28 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink (gpt-oss): each head's learned logit `sinks` [nh] joins the scores
+    of every query as one more column of the softmax, whose probability is then dropped, so a
+    query may attend to nothing. transformers' eager order (its only CPU path, 5.24): scores,
+    mask, the sink column, minus the row's largest, softmax in the scores' dtype. No fused kernel
+    takes a sink: the composite, [B, nh, T, S] scores at once. Shapes as softcapped_attention."""
+    B, groups = q.shape[0], q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, nh, T, S]
+    T, S = scores.shape[-2:]
+    if mask is None and T > 1:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:  # -inf: exp gives the same 0 as transformers' additive dtype minimum
+        scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(B, -1, T, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 class MLP(nn.Module):

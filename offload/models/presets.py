@@ -147,11 +147,35 @@ PRESETS.update({
                                 router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2,
                                 dtype="bfloat16"),
 })
+# openai/gpt-oss-20b and -120b (OpenAI's model card: 20.91B total, 3.61B active; 116.83B, 5.13B),
+# as their config.json describes them (experts stored MXFP4 there; shapes here)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss(layers: int, experts: int) -> ModelConfig:
+    return ModelConfig(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                       num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8,
+                       head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
+                       rope_scaling=dict(_GPT_OSS_ROPE), max_position_embeddings=131072,
+                       attention_bias=True, o_proj_bias=True, sliding_window=128, norm_style="fp32_scale",
+                       layer_types=_gemma3_layers(layers, 2), architecture="GptOssForCausalLM",
+                       num_experts=experts, num_experts_per_tok=4, moe_router="topk_softmax",
+                       attention_sinks=True, swiglu_limit=7.0, swiglu_alpha=1.702,
+                       router_aux_loss_coef=0.9, eos_token_id=200002, pad_token_id=199999,
+                       dtype="bfloat16")
+
+
+PRESETS.update({"gpt-oss-20b": _gpt_oss(24, 32), "gpt-oss-120b": _gpt_oss(36, 128)})
 # published parameter counts the presets are held to (within 1%: tests/test_families_infer.py)
 PUBLISHED_PARAMS = {"qwen3-8B": 8.19e9, "qwen3-32B": 32.8e9, "gemma3-27B": 27.43e9 - 0.417e9,
                     "gemma3-270M": 268e6, "phi4-14B": 14.7e9, "1B": 1.24e9, "3B": 3.21e9,
                     "8B": 8.03e9, "7B": 6.74e9, "13B": 13.0e9, "70B": 69.0e9, "mistral-7B": 7.24e9,
-                    "qwen3-30B-A3B": 30.5e9, "qwen3-235B-A22B": 235e9, "mixtral-8x7B": 46.7e9}
+                    "qwen3-30B-A3B": 30.5e9, "qwen3-235B-A22B": 235e9, "mixtral-8x7B": 46.7e9,
+                    "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9}
 # published parameters active per token (config.num_active_params: tests/test_moe.py). Qwen3-30B-A3B's
 # "3.3B" is 3.35B cut to two digits: the count is held to that (3.3 <= n / 1e9 < 3.4), the others to 1%
 PUBLISHED_ACTIVE = {"qwen3-30B-A3B": 3.3e9, "qwen3-235B-A22B": 22e9, "mixtral-8x7B": 12.9e9}
+# gpt-oss's (tests/test_gpt_oss.py, 1%), apart: tests/test_moe.py holds PUBLISHED_ACTIVE's experts
+# to 3 x hidden x width parameters each, and gpt-oss's carry biases besides (config.expert_params)
+PUBLISHED_ACTIVE_GPT_OSS = {"gpt-oss-20b": 3.61e9, "gpt-oss-120b": 5.13e9}

@@ -46,7 +46,8 @@ from nvme.format import (FormatError, content_digest, read_header, stored_checks
                          write_json_atomic)
 from nvme.io import IOEngine
 from offload.memory.layout import TensorRange
-from offload.models.config import ModelConfig, block_parameter_shapes, block_prefix, projection_names
+from offload.models.config import (ModelConfig, block_parameter_shapes, block_prefix, input_major,
+                                   projection_names)
 from offload.quant.matmul import check_kernels, quant_linear
 from offload.quant.format import QuantError, QuantSpec, from_gguf, packed_bytes, quantize
 
@@ -138,8 +139,8 @@ def quantized_block_bytes(cfg: ModelConfig, specs: dict[str, QuantSpec], dtype: 
     total = 0
     for name, shape in block_parameter_shapes(cfg).items():
         proj = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and proj in specs:
-            total += packed_bytes(shape[0], shape[1], specs[proj])
+        if name.endswith(".weight") and proj in specs:  # quantized [out, in] (gpt-oss's experts: transposed)
+            total += packed_bytes(*(shape[::-1] if input_major(cfg, name) else shape), specs[proj])
         else:  # norms, biases, an MoE router (a matrix kept dense)
             total += math.prod(shape) * dtype.itemsize
     return total
@@ -295,7 +296,8 @@ def checkpoint_source(reader, dtype: torch.dtype) -> BlockSource:
         shapes = block_parameter_shapes(reader.config)
         dense = {n: torch.empty(s, dtype=torch.float32) for n, s in shapes.items()}
         reader.read_block_into(i, {block_prefix(i) + n: t for n, t in dense.items()})
-        return dense, {}
+        # a weight stored [in, out] (gpt-oss's experts) is quantized as the [out, in] it multiplies by
+        return {n: t.t().contiguous() if input_major(reader.config, n) else t for n, t in dense.items()}, {}
     return source
 
 
@@ -365,11 +367,13 @@ def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence
                             device: torch.device | str, dtype: torch.dtype, host_ahead: int = 1,
                             nvme_ahead: int = 2, io: IOEngine | None = None,
                             zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
-                            progress: Callable[[int], None] | None = None):
+                            progress: Callable[[int], None] | None = None, experts=None):
     """(model, attached streamer): non-block weights from `reader` in `dtype` on the device, the
-    quantized blocks streamed as byte blocks from `blocks`' files per `residency`."""
+    quantized blocks streamed as byte blocks from `blocks`' files per `residency`; `experts`
+    (offload.stream.experts.ExpertPlacement): an MoE model's experts placed one by one, each its
+    quantized bytes (see offload.models.streaming.load_streamed)."""
     from offload.models.llama import build_model, materialize_non_block
-    from offload.stream.streamer import BlockStreamer
+    from offload.models.streaming import stream_blocks
 
     model = build_model(reader.config, "meta", dtype)
     quantize_layers(model, blocks.specs, dtype)
@@ -377,9 +381,8 @@ def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence
                    if isinstance(m, QuantLinear)], dtype, device)
     materialize_non_block(model, device, dtype, reader)
     files = [blocks.ranges(i) for i in range(reader.config.num_hidden_layers)]
-    streamer = BlockStreamer(model.model.layers, residency, device=device, dtype=torch.uint8,
-                             files=files, host_ahead=host_ahead, nvme_ahead=nvme_ahead, io=io,
-                             zero_copy_host=zero_copy_host, fetch_delay_s=fetch_delay_s,
-                             progress=progress)
-    return model, streamer.attach()
+    return stream_blocks(model, reader, files, residency, torch.uint8, experts, device=device,
+                         dtype=torch.uint8, host_ahead=host_ahead, nvme_ahead=nvme_ahead, io=io,
+                         zero_copy_host=zero_copy_host, fetch_delay_s=fetch_delay_s,
+                         progress=progress)
 

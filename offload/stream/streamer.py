@@ -95,7 +95,8 @@ class BlockStreamer:
     others, when given, weights are read from there, else taken from the module's parameters).
     host_ahead / nvme_ahead: how many streamed blocks ahead of the running one may be in flight.
     io: the IO engine to read with (when None, one of its own). progress(i): block i is loaded.
-    homes: what a training client owns of the blocks' homes (TrainingHomes)."""
+    homes: what a training client owns of the blocks' homes (TrainingHomes). skip: name prefixes
+    placed elsewhere (an MoE layer's experts: offload/stream/experts.py); `files` omit them."""
 
     def __init__(self, layers: nn.ModuleList, residency: Sequence[Residency], *,
                  device: torch.device | str, dtype: torch.dtype,
@@ -103,7 +104,7 @@ class BlockStreamer:
                  host_ahead: int = 1, nvme_ahead: int = 2, pin: bool = True,
                  zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
                  io: IOEngine | None = None, progress: Callable[[int], None] | None = None,
-                 homes: TrainingHomes = TrainingHomes()):
+                 homes: TrainingHomes = TrainingHomes(), skip: tuple[str, ...] = ()):
         self.layers, self.device, self.dtype = layers, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         if len(residency) != len(layers):
@@ -120,7 +121,7 @@ class BlockStreamer:
             raise StreamError("zero_copy_host is only possible when the device is the CPU")
         if homes.shards is not None and any(r == "device" for r in residency):
             raise StreamError("sharded blocks (ZeRO stage 3) stream from the cpu or nvme tier")
-        self.fetch_delay_s = fetch_delay_s
+        self.fetch_delay_s, self.skip = fetch_delay_s, tuple(skip)
         self.homes, self.shards = homes, homes.shards
         self.pin = pin and self.cuda
         if self.pin:
@@ -175,7 +176,7 @@ class BlockStreamer:
             out = layout_block(i, layer, self._files[i], residency=self.residency[i],
                                adopted=self._adopt[i] is not None, device=self.device,
                                dtype=self.dtype, empty=self._empty,
-                               frozen_only=self.homes.frozen_only)
+                               frozen_only=self.homes.frozen_only, skip=self.skip)
         if out.host_values is not None:
             self._host_values[i] = out.host_values
         self._stored_dtype.append(out.stored_dtype)
