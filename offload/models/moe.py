@@ -165,13 +165,15 @@ class SparseMoE(nn.Module):
                 experts = ((e, self.experts[e], None) for e in hit)
             else:  # placed one by one (offload/stream/experts.py): each brought in as it is reached
                 experts = self.store.experts(self.layer_index, hit, x, sizes)
-            ys, start = [], 0
-            for (e, expert, where), size in zip(experts, sizes):
-                xe = xs[start:start + size]
-                start += size
+            rows, start = {}, 0  # expert -> its slice of xs
+            for e, size in zip(hit, sizes):
+                rows[e], start = slice(start, start + size), start + size
+            ys = {}  # the store yields what it has first: outputs kept by expert
+            for e, expert, where in experts:
+                xe = xs[rows[e]]
                 # `where`: computed where the expert lives (host RAM), the activations go there
-                ys.append(expert(xe) if where is None else expert(xe.to(where)).to(x.device))
-            y = torch.cat(ys) if ys else xs[:0]
+                ys[e] = expert(xe) if where is None else expert(xe.to(where)).to(x.device)
+            y = torch.cat([ys[e] for e in hit]) if hit else xs[:0]
         y = (y * weights.T.reshape(-1)[order, None]).to(x.dtype)  # [k*N, H], grouped by expert
         with torch.no_grad():
             back = torch.empty_like(order)

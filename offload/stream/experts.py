@@ -400,8 +400,9 @@ class ExpertStore:
     def experts(self, layer: int, hit: Sequence[int], x: torch.Tensor,
                 tokens: Sequence[int] | None = None) -> Iterator[tuple[int, nn.Module, torch.device | None]]:
         """(expert id, module, the device to compute it on when not the activations' own) for the
-        experts of `layer` in `hit` (ascending), each usable while the caller holds it: the next
-        is brought in as this one is used. `x` [N, hidden]: the layer's input, for the prediction
+        experts of `layer` in `hit` (ascending), each usable while the caller holds it: those
+        here already first (bound, cached, prefetched and landed), then the others as their
+        reads land, the next read queued as one is used. `x` [N, hidden]: the layer's input, for the prediction
         of the next layer. `tokens`: tokens routed to each expert of `hit` (load and cache counts)."""
         hit = list(hit)
         mods, st = self.modules[layer], self.stats
@@ -437,8 +438,20 @@ class ExpertStore:
                 self._predict(layer, x)
 
         top_up()
+
+        def ready(e: int) -> bool:  # computable now, no read to wait for
+            key = (layer, e)
+            if self._fixed(key) or key in self._cached:
+                return True
+            if e in pending:  # prefetched: its reads may have landed already
+                return all(h.done() for h in pending[e].handles)
+            return e not in need  # else a cpu-home expert computed where it lives
+        # what is here first, so that the reads still in flight overlap its compute; the rest in
+        # the order their reads were queued (the caller adds the outputs in ascending order)
+        first = [e for e in hit if ready(e)]
+        order = first + [e for e in hit if e not in set(first)]
         try:
-            for e in hit:
+            for e in order:
                 key = (layer, e)
                 if self._fixed(key):
                     st.in_place += 1
