@@ -164,7 +164,10 @@ def bench_nvme(reader, args) -> list[dict]:
     for cache_mb in (0, args.cache_mb):
         io = IOEngine()
         one = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
-        placement = ExpertPlacement("nvme", cache_slots=cache_mb * (1 << 20) // one)
+        k = cfg.num_experts_per_tok
+        placement = ExpertPlacement("nvme", cache_slots=cache_mb * (1 << 20) // one,
+                                    predict_k=args.predict_k or k,
+                                    prefetch_slots=max(k, args.predict_k or k))
         model, streamer = load_streamed(reader, ["device"] * L, device="cpu", dtype=torch.float32,
                                         experts=placement, io=io)
         store = model.expert_store
@@ -253,6 +256,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache-mb", type=int, default=512)
     p.add_argument("--skip-ram", action="store_true")
+    p.add_argument("--predict-k", type=int, default=0,
+                   help="experts per token the next-layer prediction names (0: top-k)")
     p.add_argument("--output-json")
     args = p.parse_args()
     make_checkpoint(args.dir, args)

@@ -67,6 +67,7 @@ class ExpertPlacement:
     home: str | Sequence[Sequence[str]] = "cpu"
     window: int = 0
     prefetch_slots: int | None = None
+    predict_k: int | None = None  # experts per token the prediction names (None: top-k)
     cache_slots: int = 0
     compute: str = "auto"
     where_max_tokens: float = 0.0
@@ -82,6 +83,7 @@ class ExpertPlacement:
     def store_args(self, top_k: int) -> dict:
         return {"window": self.window or max(2, top_k),
                 "prefetch_slots": top_k if self.prefetch_slots is None else self.prefetch_slots,
+                "predict_k": self.predict_k,
                 "cache_slots": self.cache_slots, "compute": self.compute,
                 "where_max_tokens": self.where_max_tokens, "zero_copy_host": self.zero_copy_host}
 

@@ -80,7 +80,8 @@ class ExpertStore:
     files: per layer, per expert, where its parameters are stored (names relative to the expert
     module); required for nvme experts, else the source when given (else the modules' values).
     routers: per layer, (weight, bias or None) of the router, for the next-layer prediction; None
-    disables prediction there. top_k: experts per token (the prediction's k).
+    disables prediction there. top_k: experts per token; predict_k: experts per token the
+    prediction names (default top_k: more raise its recall, and the bytes read ahead).
     dtype: the compute dtype, or torch.uint8 for quantized experts (byte blocks, as the streamer).
     compute (under CUDA, for experts not on the device): "copy" to the device, "where" on the
     CPU, or "auto": on the CPU when a call routes at most `where_max_tokens` tokens per expert
@@ -90,7 +91,8 @@ class ExpertStore:
                  device: torch.device | str, dtype: torch.dtype,
                  files: Sequence[Sequence[Sequence[TensorRange]] | None] | None = None,
                  routers: Sequence[tuple[torch.Tensor, torch.Tensor | None] | None] | None = None,
-                 top_k: int = 1, window: int = 2, prefetch_slots: int = 0, cache_slots: int = 0,
+                 top_k: int = 1, predict_k: int | None = None, window: int = 2,
+                 prefetch_slots: int = 0, cache_slots: int = 0,
                  decay: float = 0.95, compute: str = "copy", where_max_tokens: float = 0.0,
                  zero_copy_host: bool | None = None, pin: bool = True, io: IOEngine | None = None):
         self.device, self.dtype = torch.device(device), dtype
@@ -108,6 +110,7 @@ class ExpertStore:
                                  -1.0 if compute == "copy" or not self.cuda else where_max_tokens)
         self.pin = pin and self.cuda
         self.top_k, self.window, self.decay = top_k, window, decay
+        self.predict_k = predict_k or top_k
         self.quota = {"prefetch": prefetch_slots, "cache": cache_slots}
         self.stats = ExpertStats()
         self.layers = [i for i, e in enumerate(experts) if e is not None]
@@ -521,7 +524,7 @@ class ExpertStore:
         w, b = self.routers[nxt]
         with torch.no_grad():
             logits = F.linear(x.to(w.device, w.dtype), w, b)
-            ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
+            ids = torch.topk(logits, min(self.predict_k, logits.shape[-1]), dim=-1).indices
             votes = torch.bincount(ids.flatten(), minlength=logits.shape[-1]).tolist()
         guess = [e for e, v in enumerate(votes) if v > 0]
         self._predicted[nxt] = set(guess)
