@@ -121,7 +121,10 @@ def plan_model_experts(args, cfg: ModelConfig, plan, sizes: ExpertSizes, device:
                          device_is_host=plan.device_is_host,
                          force=None if args.experts == "auto" else args.experts, cache_bytes=cache or 0,
                          prefetch=args.expert_prefetch == "on", where_max_tokens=where, why=why,
-                         staging_needed=staging_needed)
+                         staging_needed=staging_needed,
+                         # every router copied for the prediction (its bias: gpt-oss)
+                         router_bytes=cfg.num_hidden_layers * cfg.num_experts
+                         * (cfg.hidden_size + 1) * dtype.itemsize)
     plan.add_experts(eplan)
     return eplan
 

@@ -80,6 +80,7 @@ class ExpertPlan:
     device_is_host: bool
     where_max_tokens: float = 0.0  # under CUDA: computed on the CPU up to this many tokens
     why: str = ""
+    router_bytes: int = 0  # the copy of every router the prediction uses, on the device
     notes: list[str] = field(default_factory=list)
 
     def count(self, tier: str) -> int:
@@ -141,7 +142,8 @@ def plan_experts(*, layers: int, experts: int, expert_bytes: int, stored_expert_
                  top_k: int, device_room: int, host_room: int, device_is_host: bool,
                  force: str | None = None, cache_bytes: int = 0, prefetch: bool = True,
                  device_flag: str = "--gpu-memory", host_flag: str = "--cpu-memory",
-                 where_max_tokens: float = 0.0, why: str = "", staging_needed: bool = True) -> ExpertPlan:
+                 where_max_tokens: float = 0.0, why: str = "", staging_needed: bool = True,
+                 router_bytes: int = 0) -> ExpertPlan:
     """Place `layers` x `experts` experts with `device_room` / `host_room` bytes left by the dense
     plan (on a CPU device both are the one host pool). `cache_bytes`: the expert cache's budget,
     on the device. `staging_needed`: NVMe reads land in host staging first (always under CUDA;
@@ -166,7 +168,7 @@ def plan_experts(*, layers: int, experts: int, expert_bytes: int, stored_expert_
         return arenas + (staging if n_host + n_dev < total else 0)
 
     if device_is_host:  # one pool: in RAM (computed in place) or on NVMe
-        room = min(device_room, host_room)
+        room = min(device_room, host_room) - router_bytes
         if force in ("device", "cpu") or (force is None and host_need(total) <= room):
             n_ram = total
         elif force == "nvme":
@@ -178,11 +180,11 @@ def plan_experts(*, layers: int, experts: int, expert_bytes: int, stored_expert_
             n_ram = max(0, n_ram)
         homes = _homes(layers, experts, 0, n_ram)
         plan = ExpertPlan(homes, expert_bytes, stored_expert_bytes, top_k, window, pre, cache,
-                          pool if n_ram < total else 0, host_need(n_ram), True)
-        need = plan.host_bytes + plan.pool_bytes
-        if need > room:
+                          pool if n_ram < total else 0, host_need(n_ram), True, router_bytes=router_bytes)
+        need = plan.host_bytes + plan.pool_bytes + router_bytes
+        if need > room + router_bytes:
             raise BudgetError(f"--experts {force or 'auto'}: the experts need {format_bytes(need)} of "
-                              f"host RAM beside the rest of the model, {format_bytes(room)} is left; "
+                              f"host RAM beside the rest of the model, {format_bytes(room + router_bytes)} is left; "
                               f"use --experts nvme (or auto), a smaller --expert-cache, or raise {host_flag}")
         return plan
     if force == "device" or (force is None and total * expert_bytes <= device_room):
@@ -192,7 +194,7 @@ def plan_experts(*, layers: int, experts: int, expert_bytes: int, stored_expert_
     elif force == "nvme":
         n_dev, n_host = 0, 0
     else:
-        n_dev = max(0, min(total, (device_room - pool) // expert_bytes))
+        n_dev = max(0, min(total, (device_room - pool - router_bytes) // expert_bytes))
         n_host = total - n_dev
         while n_host and host_need(n_host, n_dev) > host_room:
             n_host -= max(1, (host_need(n_host, n_dev) - host_room) // (pinned_bytes(expert_bytes) + 8192))
@@ -200,8 +202,9 @@ def plan_experts(*, layers: int, experts: int, expert_bytes: int, stored_expert_
     homes = _homes(layers, experts, n_dev, n_host)
     moving = n_dev < total
     plan = ExpertPlan(homes, expert_bytes, stored_expert_bytes, top_k, window, pre, cache,
-                      pool if moving else 0, host_need(n_host, n_dev), False, where_max_tokens, why)
-    dev_need = n_dev * expert_bytes + plan.pool_bytes
+                      pool if moving else 0, host_need(n_host, n_dev), False, where_max_tokens, why,
+                      router_bytes=router_bytes)
+    dev_need = n_dev * expert_bytes + plan.pool_bytes + router_bytes
     if dev_need > device_room:
         raise BudgetError(f"--experts {force or 'auto'}: the experts need {format_bytes(dev_need)} on the "
                           f"device beside the dense parts, {format_bytes(max(0, device_room))} is left; "

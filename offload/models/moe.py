@@ -187,11 +187,11 @@ class SparseMoE(nn.Module):
 
     def _grouped_weights(self) -> dict[str, torch.Tensor] | None:
         """The store's [experts, ...] weight views of this layer, when it has them, the experts
-        are plain SwiGLU ones (`Expert`), torch has a grouped product and we are not training
-        (its gradient would reach the arena views, not the parameters)."""
+        are plain SwiGLU ones (`Expert`), torch has a grouped product, the device is the CPU and
+        we are not training (its gradient would reach the arena views, not the parameters)."""
         if (self.store is None or not _GROUPED_MM or type(self.experts[0]) is not Expert
-                or torch.is_grad_enabled()):
-            return None
+                or torch.is_grad_enabled() or self.store.device.type != "cpu"):
+            return None  # (CUDA's grouped product wants bf16 on recent GPUs: not yet tried there)
         return self.store.grouped_weights(self.layer_index)
 
     def _grouped_experts(self, xs: torch.Tensor, counts: torch.Tensor,
