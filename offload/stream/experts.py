@@ -405,19 +405,11 @@ class ExpertStore:
         """(expert id, module, the device to compute it on when not the activations' own) for the
         experts of `layer` in `hit` (ascending), each usable while the caller holds it: those
         here already first (bound, cached, prefetched and landed), then the others as their
-        reads land, the next read queued as one is used. `x` [N, hidden]: the layer's input, for the prediction
-        of the next layer. `tokens`: tokens routed to each expert of `hit` (load and cache counts)."""
+        reads land, the next read queued as one is used. `x` [N, hidden]: the layer's input, for
+        the prediction of the next layer. `tokens`: tokens routed to each expert of `hit`."""
         hit = list(hit)
         mods, st = self.modules[layer], self.stats
-        counts = torch.tensor(list(tokens) if tokens is not None else [1] * len(hit), dtype=torch.float64)
-        self._account(layer, hit, counts)
-        # under CUDA: this call's experts computed on the CPU (few tokens each) or copied over
-        on_host = self.cuda and bool(hit) and float(counts.mean()) <= self.where_max_tokens
-        taken = {e: self._prefetched.pop((layer, e)) for e in hit if (layer, e) in self._prefetched}
-        st.prefetch_hits += len(taken)
-        for key in [k for k in self._prefetched if k[0] == layer]:  # predicted, not routed
-            st.wasted_bytes += self._stored_bytes(key) if self.homes[layer][key[1]] == "nvme" else 0
-            self._give_back(self._prefetched.pop(key), used=False)
+        on_host, taken = self._begin(layer, hit, tokens)
 
         def travels(e: int) -> bool:  # needs a buffer this call
             key = (layer, e)
@@ -441,18 +433,7 @@ class ExpertStore:
                 self._predict(layer, x)
 
         top_up()
-
-        def ready(e: int) -> bool:  # computable now, no read to wait for
-            key = (layer, e)
-            if self._fixed(key) or key in self._cached:
-                return True
-            if e in pending:  # prefetched: its reads may have landed already
-                return all(h.done() for h in pending[e].handles)
-            return e not in need  # else a cpu-home expert computed where it lives
-        # what is here first, so that the reads still in flight overlap its compute; the rest in
-        # the order their reads were queued (the caller adds the outputs in ascending order)
-        first = [e for e in hit if ready(e)]
-        order = first + [e for e in hit if e not in set(first)]
+        order = self._order(layer, hit, pending, need)
         try:
             for e in order:
                 key = (layer, e)
@@ -487,6 +468,35 @@ class ExpertStore:
             for buf in pending.values():  # an exception mid-layer: nothing stays taken
                 self._give_back(buf, used=False)
             self._protect = set()
+
+    def _begin(self, layer: int, hit: list[int], tokens: Sequence[int] | None) -> tuple[bool, dict]:
+        """A call of `layer` starts: counted; under CUDA whether its experts are computed on the
+        CPU (few tokens each) or copied over; the prefetched buffers it routed to taken, the
+        others (predicted, not routed) given back. Returns (on the CPU, {expert: buffer})."""
+        st = self.stats
+        counts = torch.tensor(list(tokens) if tokens is not None else [1] * len(hit), dtype=torch.float64)
+        self._account(layer, hit, counts)
+        on_host = self.cuda and bool(hit) and float(counts.mean()) <= self.where_max_tokens
+        taken = {e: self._prefetched.pop((layer, e)) for e in hit if (layer, e) in self._prefetched}
+        st.prefetch_hits += len(taken)
+        for key in [k for k in self._prefetched if k[0] == layer]:  # predicted, not routed
+            st.wasted_bytes += self._stored_bytes(key) if self.homes[layer][key[1]] == "nvme" else 0
+            self._give_back(self._prefetched.pop(key), used=False)
+        return on_host, taken
+
+    def _order(self, layer: int, hit: list[int], pending: dict, need) -> list[int]:
+        """The order `experts` yields in: what is here first (bound, cached, prefetched and
+        landed), so that the reads still in flight overlap its compute; the rest in the order
+        their reads were queued (the caller adds the outputs in ascending order whatever this)."""
+        def ready(e: int) -> bool:
+            key = (layer, e)
+            if self._fixed(key) or key in self._cached:
+                return True
+            if e in pending:  # prefetched: its reads may have landed already
+                return all(h.done() for h in pending[e].handles)
+            return e not in need  # else a cpu-home expert computed where it lives
+        first = [e for e in hit if ready(e)]
+        return first + [e for e in hit if e not in set(first)]
 
     def served_grouped(self, layer: int, hit: Sequence[int], tokens: Sequence[int], x: torch.Tensor) -> None:
         """`layer`'s experts ran at once from `grouped_weights`: counted as served in place, and
