@@ -285,23 +285,34 @@ def test_a_fused_gate_up_expert_tensor_reads_as_gate_and_up(built, tmp_path):
 
 
 
-def test_runner_infers_from_a_moe_gguf_with_int8_experts(built, tmp_path, monkeypatch, capsys):
-    """python -m runners.infer --quantize int8 on a Q8_0 Mixtral GGUF (converted once, each expert's
-    matrix then quantized on its own, the router kept dense): transformers' greedy tokens over the
-    file's values."""
+@pytest.mark.parametrize("qtype,mode", [("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_runner_infers_from_a_moe_gguf_with_quantized_experts(built, qtype, mode, tmp_path, monkeypatch, capsys):
+    """python -m runners.infer --quantize int8 / int4 on a Q8_0 / Q4_0 Mixtral GGUF: each expert's
+    blocks taken as the file stores them (the router kept dense): transformers' greedy tokens
+    over the file's values, and the cache holding the file's own codes and scales."""
     from runners.common import run_main
     from runners.infer import main as infer_main
-    case = built("mixtral", "Q8_0")
+    case = built("mixtral", qtype)
     monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "gguf"))
     out = tmp_path / "out.json"
     rc = run_main(infer_main, [str(a) for a in [
         "--model", case.path, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", NEW,
-        "--quantize", "int8", "--ignore-eos", "--probe-seconds", "0.05", "--offload-dir", tmp_path / "off",
+        "--quantize", mode, "--ignore-eos", "--probe-seconds", "0.05", "--offload-dir", tmp_path / "off",
         "--output-json", out]])
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "MixtralForCausalLM" in err
     assert json.loads(out.read_text())["generated_ids"] == hf_greedy(case.ref, [PROMPT])
+    # each expert's blocks taken as the file stores them: the cache holds its codes and scales
+    from nvme.format import SafetensorsFile
+    from offload.quant.format import from_gguf
+    [block0] = (tmp_path / "off" / "quant").glob("*/block_00000.safetensors")
+    with GGUFReader(case.path) as g, SafetensorsFile(block0) as f:
+        t = g.tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
+        assert t.tensor_type.name == qtype
+        _, parts = from_gguf(t.tensor_type.name, t.data, tuple(int(d) for d in reversed(list(t.shape))))
+        for part, want in parts.items():
+            assert torch.equal(f.read(f"block_sparse_moe.experts.3.w2.{part}"), want), part
 
 
 # ---- refused in one line --------------------------------------------------------------------------------

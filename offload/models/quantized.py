@@ -307,11 +307,12 @@ def gguf_source(gguf_reader, settings: QuantSettings) -> BlockSource:
     def source(i: int):
         cfg = gguf_reader.config
         dense, taken = {}, {}
+        projections = set(projection_names(cfg))  # an MoE's experts too: each a slice of its 3-D tensor
         for n in block_parameter_shapes(cfg):
             full = block_prefix(i) + n
             t = gguf_reader.tensors[full]
             proj = n.rsplit(".", 1)[0]
-            if n.endswith(".weight") and proj in PROJECTIONS and t.tensor_type.name in GGUF_TAKEN[settings.mode]:
+            if n.endswith(".weight") and proj in projections and t.tensor_type.name in GGUF_TAKEN[settings.mode]:
                 shape = tuple(int(d) for d in reversed(list(t.shape)))
                 _, parts = from_gguf(t.tensor_type.name, t.data, shape)
                 taken[proj] = {k: torch.from_numpy(gguf_reader.unpermute_rows(full, v.numpy()).copy())
