@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from families import (GPT_OSS_FAMILIES, MOE_FAMILIES, VOCAB, Case, dequantized_reference,  # noqa: E402
-                      greedy_reference)
+                      greedy_reference, save_family_checkpoint)
 from nvme.io import IOEngine  # noqa: E402
 from offload.infer.expert_plan import ComputeCosts, choose_compute, plan_experts  # noqa: E402
 from offload.memory.tiers import BudgetError, pinned_bytes  # noqa: E402
@@ -300,3 +300,24 @@ def test_expert_flags_on_a_dense_model_are_refused_in_one_line(tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc != 0 and err.count("\n") == 1 and "has none (drop the flag)" in err
     assert not list(tmp_path.iterdir())  # refused before anything was generated
+
+
+@pytest.mark.parametrize("home", ["nvme", "cpu"])
+def test_a_bf16_checkpoint_computed_in_fp32_converts_each_expert(home, tmp_path):
+    """Experts stored in bf16, computed in fp32: read (NVMe: into staging, per routed expert;
+    RAM: once) and converted; equal to transformers loading the same file in fp32."""
+    save_family_checkpoint("qwen3_moe", tmp_path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    reader, model, streamer = _load(tmp_path, ExpertPlacement(home, zero_copy_host=False, cache_slots=2))
+    try:
+        store = model.expert_store
+        assert store._stored_dtype[(0, 0)] == torch.bfloat16
+        with torch.no_grad():
+            torch.testing.assert_close(model(LONG_IDS), hf(LONG_IDS).logits, rtol=0, atol=1e-5)
+        one = store._stored_bytes((0, 0))
+        assert one == store.expert_bytes((0, 0)) // 2  # what crosses the disk is the bf16 bytes
+        if home == "nvme":
+            assert store.stats.moved_bytes["disk"] == one * (store.stats.demand_reads + store.stats.prefetch_hits
+                                                             + store.stats.wasted_bytes // one)
+    finally:
+        _close(reader, model, streamer)
