@@ -321,3 +321,27 @@ def test_a_bf16_checkpoint_computed_in_fp32_converts_each_expert(home, tmp_path)
                                                              + store.stats.wasted_bytes // one)
     finally:
         _close(reader, model, streamer)
+
+
+def test_the_plan_counts_what_the_store_allocates(cases):
+    """The experts' plan on a CPU device against the store built from it: host arenas, the
+    buffer pool and staging are the bytes the plan counted (plan equals allocation)."""
+    case = cases["mixtral"]
+    with CheckpointReader(case.path) as reader:
+        cfg = reader.config
+        one = sum(loc.nbytes for loc in reader.block_locations(0) if ".experts.0." in loc.name)
+    per = one + 8192 + 4096  # an expert's arena share is at most this; leave room for 5 in RAM
+    plan = plan_experts(layers=cfg.num_hidden_layers, experts=cfg.num_experts, expert_bytes=one,
+                        stored_expert_bytes=one, top_k=cfg.num_experts_per_tok, device_room=1 << 40,
+                        host_room=5 * per + 7 * (one + 4096), device_is_host=True, cache_bytes=2 * one,
+                        staging_needed=False)
+    assert 0 < plan.count("cpu") < cfg.num_hidden_layers * cfg.num_experts
+    reader, model, streamer = _load(case.path, plan.placement())
+    try:
+        store = model.expert_store
+        assert store.host_bytes == plan.host_bytes
+        assert store.pool_bytes() == plan.pool_bytes
+        assert all(b.staging is None for b in store._pool)  # fp32 file, fp32 compute: none planned
+        case.check(model, streamer)
+    finally:
+        _close(reader, model, streamer)
