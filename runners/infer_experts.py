@@ -43,8 +43,9 @@ def check_expert_flags(args, cfg: ModelConfig) -> None:
     if asked and not cfg.num_experts:
         raise RunnerError(f"{asked[0]} places a mixture of experts' routed experts; {cfg.architecture} "
                           f"has none (drop the flag)")
-    if cfg.num_experts:
-        parse_size(args.expert_cache, "--expert-cache") if args.expert_cache != "0" else None
+    # parsed once, here, before anything is generated or loaded; the plan takes the bytes
+    args.expert_cache_bytes = (parse_size(args.expert_cache, "--expert-cache") or 0
+                               if cfg.num_experts and args.expert_cache != "0" else 0)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,6 @@ def plan_model_experts(args, cfg: ModelConfig, plan, sizes: ExpertSizes, device:
                        dtype: torch.dtype, links, staging_needed: bool) -> ExpertPlan:
     """The experts' plan in what the dense `plan` left, joined to it (plan.experts, and its
     device and host need)."""
-    cache = parse_size(args.expert_cache, "--expert-cache") if args.expert_cache not in ("0", "") else 0
     where, why = 0.0, ""
     if device.type == "cuda" and not getattr(args, "planned_gpu", False):
         gbps, gflops = measure_cpu_rates(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
@@ -119,7 +119,8 @@ def plan_model_experts(args, cfg: ModelConfig, plan, sizes: ExpertSizes, device:
                          device_room=plan.device_budget - plan.device_need,
                          host_room=plan.host_budget - plan.host_need,
                          device_is_host=plan.device_is_host,
-                         force=None if args.experts == "auto" else args.experts, cache_bytes=cache or 0,
+                         force=None if args.experts == "auto" else args.experts,
+                         cache_bytes=args.expert_cache_bytes,
                          prefetch=args.expert_prefetch == "on", where_max_tokens=where, why=why,
                          staging_needed=staging_needed,
                          # every router copied for the prediction (its bias: gpt-oss)
@@ -136,9 +137,9 @@ def expert_metrics(results, plan: ExpertPlan, store) -> dict:
     tokens = sum(r.decode_tokens for r in results)
     total, ptotal = ExpertStats(), ExpertStats()
     for s in dec:
-        total = _add(total, s)
+        total = total.plus(s)
     for s in pre:
-        ptotal = _add(ptotal, s)
+        ptotal = ptotal.plus(s)
     per = (lambda v: v / tokens) if tokens else (lambda v: 0.0)
     return {
         "homes": {t: plan.count(t) for t in ("device", "cpu", "nvme")},
@@ -150,11 +151,6 @@ def expert_metrics(results, plan: ExpertPlan, store) -> dict:
         "imbalance": store.imbalance() if store is not None else None,
         "wait_s": total.wait_s + ptotal.wait_s,
     }
-
-
-def _add(a: ExpertStats, b: ExpertStats) -> ExpertStats:
-    out = {k: getattr(a, k) + getattr(b, k) for k in a.__dict__ if k != "moved_bytes"}
-    return ExpertStats(**out, moved_bytes={k: a.moved_bytes[k] + b.moved_bytes[k] for k in a.moved_bytes})
 
 
 def expert_report(m: dict) -> str:

@@ -86,6 +86,11 @@ class ExpertPlan:
     def count(self, tier: str) -> int:
         return sum(h == tier for layer in self.homes for h in layer)
 
+    def device_bytes(self) -> int:
+        """Device memory of the experts: those living there, the buffer pool (on a GPU), the
+        routers' copies (on a CPU device this is host RAM, beside host_bytes)."""
+        return self.count("device") * self.expert_bytes + self.pool_bytes + self.router_bytes
+
     def total(self) -> int:
         return sum(len(layer) for layer in self.homes)
 
@@ -204,7 +209,7 @@ def plan_experts(*, layers: int, experts: int, expert_bytes: int, stored_expert_
     plan = ExpertPlan(homes, expert_bytes, stored_expert_bytes, top_k, window, pre, cache,
                       pool if moving else 0, host_need(n_host, n_dev), False, where_max_tokens, why,
                       router_bytes=router_bytes)
-    dev_need = n_dev * expert_bytes + plan.pool_bytes + router_bytes
+    dev_need = plan.device_bytes()
     if dev_need > device_room:
         raise BudgetError(f"--experts {force or 'auto'}: the experts need {format_bytes(dev_need)} on the "
                           f"device beside the dense parts, {format_bytes(max(0, device_room))} is left; "

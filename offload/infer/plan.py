@@ -111,7 +111,7 @@ class InferencePlan:
     def add_experts(self, experts: "ExpertPlan") -> None:
         """Join the experts' plan, made in what this plan left: its bytes count in the needs."""
         self.experts = experts
-        dev = experts.count("device") * experts.expert_bytes + experts.pool_bytes + experts.router_bytes
+        dev = experts.device_bytes()
         if self.device_is_host:
             self.device_need += dev + experts.host_bytes
             self.host_need = self.device_need
@@ -151,8 +151,7 @@ class InferencePlan:
         e = self.experts
         if e is None:
             return ""
-        dev = e.count("device") * e.expert_bytes + e.pool_bytes + e.router_bytes
-        n = {"device": dev + (e.host_bytes if self.device_is_host else 0),
+        n = {"device": e.device_bytes() + (e.host_bytes if self.device_is_host else 0),
              "host": 0 if self.device_is_host else e.host_bytes}[tier]
         return f" + experts {format_bytes(n)}" if n else ""
 

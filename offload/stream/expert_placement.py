@@ -37,8 +37,14 @@ class ExpertStats:
         return ExpertStats(**{**self.__dict__, "moved_bytes": dict(self.moved_bytes)})
 
     def minus(self, earlier: "ExpertStats") -> "ExpertStats":
-        out = {k: v - getattr(earlier, k) for k, v in self.__dict__.items() if k != "moved_bytes"}
-        return ExpertStats(**out, moved_bytes={k: v - earlier.moved_bytes[k]
+        return self._combine(earlier, -1)
+
+    def plus(self, other: "ExpertStats") -> "ExpertStats":
+        return self._combine(other, 1)
+
+    def _combine(self, other: "ExpertStats", sign: int) -> "ExpertStats":
+        out = {k: v + sign * getattr(other, k) for k, v in self.__dict__.items() if k != "moved_bytes"}
+        return ExpertStats(**out, moved_bytes={k: v + sign * other.moved_bytes[k]
                                                for k, v in self.moved_bytes.items()})
 
     def precision(self) -> float | None:
