@@ -117,6 +117,14 @@ def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
         return hf(ids).logits
 
 
+def make_cases(tmp_path_factory, names, prompt: list[int], short: list[int], long_ids: torch.Tensor,
+               new: int, atol: float = 1e-5) -> dict[str, "Case"]:
+    """One Case per family name, each checkpoint in its own temporary directory (the module-scoped
+    `cases` fixture of the family test files)."""
+    return {name: Case(name, str(tmp_path_factory.mktemp(name)), prompt, short, long_ids, new, atol)
+            for name in names}
+
+
 class Case:
     """One family case: its checkpoint directory and transformers' model of the same weights,
     checked against on a long teacher-forced batch, a short row, and greedy continuations of
@@ -132,8 +140,12 @@ class Case:
 
     def greedy(self) -> dict[str, list[list[int]]]:
         if self._greedy is None:
-            self._greedy = greedy_reference(self.hf, self.prompt, self.short, self.new)
+            self._greedy = self.greedy_of(self.hf)
         return self._greedy
+
+    def greedy_of(self, hf) -> dict[str, list[list[int]]]:
+        """Greedy continuations of this case's prompts by `hf` (e.g. over dequantized weights)."""
+        return greedy_reference(hf, self.prompt, self.short, self.new)
 
     def check(self, model, streamer=None, hf=None, tokens: dict | None = None, single: bool = False) -> None:
         """`model`'s logits within atol of transformers' (`hf`, default the case's) on the long

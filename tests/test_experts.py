@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from families import (GPT_OSS_FAMILIES, MOE_FAMILIES, VOCAB, Case, dequantized_reference,  # noqa: E402
-                      greedy_reference, save_family_checkpoint)
+                      make_cases, save_family_checkpoint)
 from nvme.io import IOEngine  # noqa: E402
 from offload.infer.expert_plan import ComputeCosts, choose_compute, plan_experts  # noqa: E402
 from offload.memory.tiers import BudgetError, pinned_bytes  # noqa: E402
@@ -39,8 +39,7 @@ LONG_IDS = torch.randint(3, VOCAB, (2, 21), generator=_gen)
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, Case]:
-    return {name: Case(name, str(tmp_path_factory.mktemp(name)), PROMPT, SHORT, LONG_IDS, NEW)
-            for name in NAMES}
+    return make_cases(tmp_path_factory, NAMES, PROMPT, SHORT, LONG_IDS, NEW)
 
 
 def _load(path, placement: ExpertPlacement, weights: str = "nvme", io: IOEngine | None = None):
@@ -116,7 +115,7 @@ def test_quantized_experts_equal_transformers_over_the_dequantized_weights(cases
             reader, blocks, ["nvme"] * L, device="cpu", dtype=torch.float32, zero_copy_host=False,
             experts=ExpertPlacement(homes, cache_slots=2))
         try:
-            case.check(model, streamer, hf=ref, tokens=greedy_reference(ref, PROMPT, SHORT, NEW))
+            case.check(model, streamer, hf=ref, tokens=case.greedy_of(ref))
             assert model.expert_store.stats.moved_bytes["disk"] > 0
         finally:
             streamer.close()

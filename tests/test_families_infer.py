@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from families import FAMILIES, VOCAB, Case, greedy_reference, hf_logits, save_family_checkpoint  # noqa: E402
+from families import FAMILIES, VOCAB, Case, hf_logits, make_cases, save_family_checkpoint  # noqa: E402
 from nvme.format import SafetensorsFile  # noqa: E402
 from offload.infer.generate import generate  # noqa: E402
 from offload.models import (CheckpointError, CheckpointReader, ConfigError, ModelConfig,  # noqa: E402
@@ -47,16 +47,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, Case]:
-    return {name: Case(name, str(tmp_path_factory.mktemp(name)), PROMPT, SHORT, LONG_IDS, NEW, ATOL)
-            for name in NAMES}
-
-
-def hf_greedy(hf) -> dict[str, list[list[int]]]:
-    return greedy_reference(hf, PROMPT, SHORT, NEW)
-
-
-def check_model(model, case: Case, *args, **kwargs) -> None:
-    case.check(model, *args, **kwargs)
+    return make_cases(tmp_path_factory, NAMES, PROMPT, SHORT, LONG_IDS, NEW, ATOL)
 
 
 # ---- fp32: resident, streamed from RAM and NVMe, the runner -------------------------------------
@@ -66,7 +57,7 @@ def test_resident_logits_and_greedy_equal_transformers(cases, name):
     case = cases[name]
     model = load_model(case.path)
     assert model.config.architecture == type(case.hf).__name__
-    check_model(model, case, single=True)
+    case.check(model, single=True)
     # the KV cache in host RAM, one layer at a time on the device (--kv-cache host)
     got = generate(model, [PROMPT, SHORT], max_new_tokens=NEW, kv_tier="host").tokens
     assert got == case.greedy()["batch"]
@@ -83,7 +74,7 @@ def test_streamed_logits_and_greedy_equal_transformers(cases, name, tier):
         model, streamer = load_streamed(reader, [tier] * layers, device="cpu", dtype=torch.float32,
                                         zero_copy_host=False, fetch_delay_s=0.002)
         try:
-            check_model(model, case, streamer)
+            case.check(model, streamer)
             assert streamer.stats.fetches[tier] >= layers
         finally:
             streamer.close()
@@ -122,7 +113,7 @@ def test_runner_on_a_sharded_checkpoint_equals_transformers(cases, name, weights
                  for layer in json.loads(Path(manifest).read_text())["specs"]]
         assert {s.bits for layer in specs for s in layer.values()} == {int(quantize[3:])}
         blocks = SimpleNamespace(path=os.path.dirname(manifest), specs=specs)
-        want = hf_greedy(dequantized_reference(cases[name], blocks))["single"]
+        want = cases[name].greedy_of(dequantized_reference(cases[name], blocks))["single"]
     assert json.loads(out.read_text())["generated_ids"] == want
 
 
@@ -156,7 +147,7 @@ def test_quantized_equals_transformers_with_dequantized_weights(cases, name, mod
                                      cache_root=str(tmp_path))
         assert all(set(s) == set(projection_names(cfg)) for s in blocks.specs)
         ref = dequantized_reference(case, blocks)
-        tokens = hf_greedy(ref)
+        tokens = case.greedy_of(ref)
         tiers = (["device", "nvme", "cpu"] * cfg.num_hidden_layers)[:cfg.num_hidden_layers]
         model, streamer = load_quantized_streamed(reader, blocks, tiers, device="cpu",
                                                   dtype=torch.float32, zero_copy_host=False)
@@ -164,7 +155,7 @@ def test_quantized_equals_transformers_with_dequantized_weights(cases, name, mod
             quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
             assert len(quant) == len(projection_names(cfg)) * cfg.num_hidden_layers
             assert {m.spec.bits for m in quant} == {8 if mode == "int8" else 4}
-            check_model(model, case, streamer, hf=ref, tokens=tokens)
+            case.check(model, streamer, hf=ref, tokens=tokens)
         finally:
             streamer.close()
     if mode == "int4":  # the codes are not the weights: the reference itself moved

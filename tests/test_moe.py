@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from families import (MOE_FAMILIES, VOCAB, Case, dequantized_reference, greedy_reference,  # noqa: E402
+from families import (MOE_FAMILIES, VOCAB, Case, dequantized_reference, make_cases,  # noqa: E402
                       hf_logits, save_family_checkpoint)
 from nvme.format import SafetensorsFile, write_file  # noqa: E402
 from offload.models import (CheckpointError, CheckpointReader, ConfigError, ModelConfig,  # noqa: E402
@@ -48,16 +48,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, Case]:
-    return {name: Case(name, str(tmp_path_factory.mktemp(name)), PROMPT, SHORT, LONG_IDS, NEW, ATOL)
-            for name in NAMES}
-
-
-def hf_greedy(hf) -> dict[str, list[list[int]]]:
-    return greedy_reference(hf, PROMPT, SHORT, NEW)
-
-
-def check_model(model, case: Case, *args, **kwargs) -> None:
-    case.check(model, *args, **kwargs)
+    return make_cases(tmp_path_factory, NAMES, PROMPT, SHORT, LONG_IDS, NEW, ATOL)
 
 
 def experts_run(model, ids: torch.Tensor) -> list[int]:
@@ -89,7 +80,7 @@ def test_resident_equals_transformers_and_eager_bit_for_bit(cases, name):
     # the short prompt leaves some experts without tokens; the long batch runs several
     assert min(experts_run(model, torch.tensor([SHORT]))) < cfg.num_experts
     assert min(experts_run(model, LONG_IDS)) >= 4
-    check_model(model, case, single=True)
+    case.check(model, single=True)
     eager = type(case.hf)(copy.deepcopy(case.hf.config)).eval()  # its own: the setting is the config's
     eager.load_state_dict(case.hf.state_dict())
     eager.set_experts_implementation("eager")  # the loop the MoE forward follows
@@ -106,7 +97,7 @@ def test_streamed_equals_transformers(cases, name, tier):
         model, streamer = load_streamed(reader, [tier] * layers, device="cpu", dtype=torch.float32,
                                         zero_copy_host=False, fetch_delay_s=0.002)
         try:
-            check_model(model, case, streamer)
+            case.check(model, streamer)
             assert streamer.stats.fetches[tier] >= layers
         finally:
             streamer.close()
@@ -167,7 +158,7 @@ def test_quantized_equals_transformers_with_dequantized_experts(cases, name, mod
             quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
             assert len(quant) == len(projection_names(cfg)) * cfg.num_hidden_layers
             assert all(type(layer.get_submodule(router)) is torch.nn.Linear for layer in model.model.layers)
-            check_model(model, case, streamer, hf=ref, tokens=hf_greedy(ref))
+            case.check(model, streamer, hf=ref, tokens=case.greedy_of(ref))
         finally:
             streamer.close()
 
@@ -189,7 +180,7 @@ def test_runner_streams_quantized_experts_from_nvme(cases, tmp_path, capsys):
     [manifest] = (tmp_path / "cache" / "quant").glob("*/manifest.json")
     specs = [{p: QuantSpec(*v) for p, v in layer.items()} for layer in json.loads(manifest.read_text())["specs"]]
     ref = dequantized_reference(cases["mixtral"], SimpleNamespace(path=str(manifest.parent), specs=specs))
-    assert json.loads(out.read_text())["generated_ids"] == hf_greedy(ref)["single"]
+    assert json.loads(out.read_text())["generated_ids"] == cases["mixtral"].greedy_of(ref)["single"]
 
 
 # ---- files in and out -----------------------------------------------------------------------------
