@@ -567,10 +567,3 @@ class ExpertStore:
         """Expert load imbalance: the busiest expert's tokens over the mean, averaged over layers."""
         ratios = [float(c.max() / c.float().mean()) for c in self.load.values() if c.sum() > 0]
         return sum(ratios) / len(ratios) if ratios else None
-
-    def counts_by_home(self) -> dict[str, int]:
-        out = dict.fromkeys(EXPERT_HOMES, 0)
-        for h in self.homes.values():
-            for x in h:
-                out[x] += 1
-        return out
