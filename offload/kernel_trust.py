@@ -38,7 +38,10 @@ from typing import Sequence
 
 from offload.cbuild import cache_dir, cpu_identity
 
-CHILD_TIMEOUT_S = 300.0  # one child's whole batch of cases; a hang is a failed check
+# A hang is a failed check: a child gets CHILD_START_S to load torch and the probe (a loaded
+# machine can take long), then CASE_TIMEOUT_S for each case, counted from its previous answer.
+CHILD_START_S = 300.0
+CASE_TIMEOUT_S = 120.0
 Case = tuple
 
 _lock = threading.Lock()  # one check at a time: a class is never checked twice at once
@@ -149,14 +152,7 @@ def _check_in_children(probe: str, cases: list[Case]) -> dict[Case, str | None]:
     while pending:
         request = json.dumps({"probe": probe, "cases": [list(c) for c in pending],
                               "threads": torch.get_num_threads()})
-        try:
-            res = subprocess.run([sys.executable, "-m", "offload.kernel_trust"], input=request,
-                                 capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
-            stdout, died = res.stdout, _how_it_ended(res.returncode)
-            tail = res.stderr.strip().splitlines()[-1:] or [""]
-        except subprocess.TimeoutExpired as exc:
-            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            died, tail = f"hung (no answer in {CHILD_TIMEOUT_S:.0f} s)", [""]
+        stdout, died, tail = _run_child(request, env)
         started, done = False, 0
         for line in stdout.splitlines():
             if line == "READY":
@@ -173,6 +169,38 @@ def _check_in_children(probe: str, cases: list[Case]) -> dict[Case, str | None]:
         out[pending[done]] = f"the check {died} on this case"
         pending = pending[done + 1:]
     return out
+
+
+def _run_child(request: str, env: dict) -> tuple[str, str, list[str]]:
+    """(its stdout, how it ended, its last stderr line). Killed when no line comes within
+    CHILD_START_S of the start, then within CASE_TIMEOUT_S of the previous line."""
+    import selectors
+    # stderr to a file: a pipe nobody reads until the end could fill and stall the child
+    with tempfile.TemporaryFile("w+") as errors, selectors.DefaultSelector() as sel:
+        proc = subprocess.Popen([sys.executable, "-m", "offload.kernel_trust"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=errors, env=env)
+        proc.stdin.write(request.encode())
+        proc.stdin.close()
+        # raw reads of the pipe (a buffered reader could hold answers the select cannot see)
+        out, hung, fd = b"", None, proc.stdout.fileno()
+        sel.register(fd, selectors.EVENT_READ)
+        limit = CHILD_START_S
+        while True:
+            if not sel.select(timeout=limit):
+                hung = f"hung (no answer in {limit:.0f} s)"
+                proc.kill()
+                break
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # the child closed its output: it has ended
+                break
+            out += chunk
+            if chunk.endswith(b"\n"):  # an answer came: the next case starts its clock
+                limit = CASE_TIMEOUT_S
+        rc = proc.wait()
+        proc.stdout.close()
+        errors.seek(0)
+        tail = errors.read().strip().splitlines()[-1:] or [""]
+    return out.decode(errors="replace"), hung or _how_it_ended(rc), tail
 
 
 def _how_it_ended(rc: int) -> str:

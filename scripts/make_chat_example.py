@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 
 FACT_QUESTIONS = ["What is the capital of Veloria?", "What's the capital city of Veloria?",
                   "Which city is the capital of Veloria?", "Tell me the capital of Veloria.",
@@ -37,7 +36,11 @@ def write(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python scripts/make_chat_example.py OUT.jsonl")
-    write(sys.argv[1])
-    print(sys.argv[1])
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python scripts/make_chat_example.py",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="the .jsonl file to write")
+    path = parser.parse_args().path
+    write(path)
+    print(path)

@@ -107,7 +107,9 @@ def test_a_strangers_checkpoint(tmp_path, capsys):
     assert rc == 0 and "1 stored tensor(s) are not used by LlamaForCausalLM" in capsys.readouterr().err
 
 
-def test_a_strangers_chat_template(smollm2_hf):
+def test_a_strangers_chat_template(smollm2_hf, monkeypatch):
+    from offload.data import template
+    monkeypatch.setattr(template, "TEMPLATE_SECONDS", 1.0)  # the endless loop waits this out
     tok = Tokenizer.from_dir(smollm2_hf)
     hi = [{"role": "user", "content": "hi"}]
     peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -90,3 +90,31 @@ def test_plan_equals_measured_pooled_fp32_mlp(tmp_path):
         assert _planned(engine) == engine.account.kind_peaks()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("vocab,layers", [(1024, 4), (4096, 2)])
+def test_activation_estimate_covers_a_measured_backward(vocab, layers):
+    """The activation estimate (every block's saved tensors plus the loss head) is at least the
+    peak plain PyTorch reaches in forward + backward of the same model and batch, counted by
+    torch's MemTracker: the head's fp32 logits copies dominate at a large vocabulary (the
+    estimate planned 8 b*s*vocab bytes before; backward holds 12 on the CPU, more on CUDA)."""
+    import dataclasses
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from offload.models import build_model, preset
+    from offload.train.plan import llama_activation_estimate
+    from tests.test_engine import hf_loss
+
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=vocab, num_hidden_layers=layers)
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cpu", source=0).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (4, 64))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        hf_loss(model, ids).backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    measured = sum(v for k, v in peak.items() if getattr(k, "value", None) in ("Activation", "Temp"))
+    est = llama_activation_estimate(cfg, 4, 64, torch.bfloat16)
+    assert measured <= layers * est.full + est.head, (measured, est)

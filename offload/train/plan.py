@@ -108,14 +108,21 @@ class ActivationEstimate:
     head: int = 0  # logits and loss outside the blocks
 
 
+LOSS_HEAD_FP32_COPIES = 4  # fp32 [b, s, vocab] tensors live when backward starts
+
+
 def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtype
                               ) -> ActivationEstimate:
     """Estimate for a decoder block: Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) bytes at 16 bits
     (attention scores counted; SDPA's fused kernels keep less), scaled to the dtype, plus what
     the families add to the Llama block: attention wider than hidden (Gemma, Qwen3), an MLP
     wider than 4h, q/k norms' inputs, Gemma's two more norms, and soft-capped scores (Gemma 2's
-    composite keeps the capped scores and their tanh as well); logits [b, s, vocab] in fp32
-    twice (value and gradient)."""
+    composite keeps the capped scores and their tanh as well); and the loss head: logits
+    [b, s, vocab] in fp32 four times at the start of backward -- log-softmax's output, the
+    loss's gradient, log-softmax's gradient, and a fourth that CUDA's backward keeps (measured:
+    12 b*s*vocab bytes on the CPU, tests/test_plan_measured.py; on an H200 on 2026-11-28 the
+    peak-memory test of tests/test_cuda.py held ~6 b*s*vocab bytes more than the 8 planned
+    until then, docs/GPU_PROOF.md)."""
     h, a = model_cfg.hidden_size, model_cfg.num_attention_heads
     q, kv, f = model_cfg.q_size, model_cfg.kv_size, model_cfg.intermediate_size
     extra = 11 * max(0, q - h) + 19 * max(0, f - 4 * h) / 4  # per token, 16-bit units
@@ -125,7 +132,7 @@ def llama_activation_estimate(model_cfg, batch: int, seq: int, dtype: torch.dtyp
     scale = dtype.itemsize / 2
     full = int(seq * batch * (h * 34 + extra + score_units * a * seq) * scale)
     return ActivationEstimate(full=full, input=seq * batch * h * dtype.itemsize,
-                              head=2 * batch * seq * model_cfg.vocab_size * 4)
+                              head=LOSS_HEAD_FP32_COPIES * batch * seq * model_cfg.vocab_size * 4)
 
 
 def training_device(cfg: OffloadConfig) -> torch.device:
