@@ -87,7 +87,8 @@ class DequantizedLayers:
     def __init__(self, blocks: QuantizedBlocks, model_cfg):
         from offload.models import block_parameter_shapes
 
-        self.blocks, self.shapes = blocks, block_parameter_shapes(model_cfg)
+        self.blocks, self.shapes_of = blocks, lambda i: block_parameter_shapes(model_cfg, i)
+        self.shapes = self.shapes_of(0)
         self._layer, self._file = -1, None
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -100,6 +101,7 @@ class DequantizedLayers:
         if int(layer) != self._layer:
             self.close()
             self._layer, self._file = int(layer), SafetensorsFile(block_file(self.blocks.path, int(layer)))
+            self.shapes = self.shapes_of(int(layer))  # DeepSeek's dense layers differ
         proj = rel.rsplit(".", 1)[0]
         spec = self.blocks.specs[self._layer].get(proj)
         if rel.endswith(".weight") and proj in PROJECTIONS and spec is not None:

@@ -43,7 +43,8 @@ from runners.common import (GROUP_SIZE_HELP, Parser, RunnerError, add_budget_arg
 from runners.infer_checks import chat_template_vars, check_flags, check_interactive, check_tokenizer
 from runners.infer_lora import add_adapter_arg, attach_adapter, check_adapter
 from runners.infer_quant import convert_quantized, quant_scratch, quant_source
-from runners.infer_experts import add_expert_args, check_expert_flags, expert_sizes, plan_model_experts
+from runners.infer_experts import (add_expert_args, check_expert_flags, expert_sizes, experts_reserve,
+                                   plan_model_experts)
 from runners.infer_report import print_report, run_metrics
 
 DEFAULT_IDS = [1, 15, 27, 100, 7, 42]
@@ -341,10 +342,10 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
     planned as their dense parts: the experts are placed after (runners/infer_experts.py)."""
     L, item = cfg.num_hidden_layers, dtype.itemsize
     if quant is not None:
-        blocks = [quantized_block_bytes(cfg, s, dtype) for s in quant[1]]
+        blocks = [quantized_block_bytes(cfg, s, dtype, i) for i, s in enumerate(quant[1])]
         stored, stored_dtype = blocks, dtype
     else:
-        blocks = [num_block_params(cfg) * item] * L
+        blocks = [num_block_params(cfg, i) * item for i in range(L)]  # DeepSeek's dense layers differ
         stored = ([sum(loc.nbytes for loc in reader.block_locations(i)) for i in range(L)] if reader
                   else blocks)
         stored_dtype = reader.block_locations(0)[0].dtype if reader else dtype
@@ -363,7 +364,7 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
     staging = device.type == "cuda" or stored_dtype != dtype
     return plan_inference(
         block_bytes=blocks, stored_block_bytes=stored,
-        non_block_bytes=(num_params(cfg) - L * num_block_params(cfg)) * item
+        non_block_bytes=(num_params(cfg) - sum(num_block_params(cfg, i) for i in range(L))) * item
         + (args.lora.device_bytes if getattr(args, "lora", None) else 0),  # resident adapters
         batch_size=batch, context=context,
         kv_bytes_per_seq=kv_cache_bytes(cfg, 1, context, dtype),
@@ -375,7 +376,7 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
         force=None if args.weights == "auto" else args.weights, nvme_ahead=args.nvme_ahead,
         kv_tier=args.kv_cache, num_layers=L,
         kv_positions_per_step=max(1, context - args.max_new_tokens // 2),
-        staging_needed=staging,
+        staging_needed=staging, reserved_bytes=experts_reserve(args, cfg, sizes, device, dtype, staging),
         scratch_bytes=kernels.scratch_bytes(device, dtype) + quant_scratch(cfg, quant, batch, context,
                                                                             args.max_new_tokens,
                                                                             device, dtype)), sizes, staging

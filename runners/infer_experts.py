@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from offload.config import format_bytes
-from offload.infer.expert_plan import EXPERT_CHOICES, ComputeCosts, ExpertPlan, choose_compute, plan_experts
+from offload.infer.expert_plan import (EXPERT_CHOICES, ComputeCosts, ExpertPlan, choose_compute,
+                                       expert_floor_bytes, plan_experts)
 from offload.models import ModelConfig, block_parameter_shapes
 from offload.models.config import input_major
 from offload.models.families import moe_names
@@ -62,11 +63,11 @@ def expert_sizes(cfg: ModelConfig, reader, dtype: torch.dtype, quant, block_byte
     `stored_bytes`: the whole blocks' as the dense planner would take them."""
     if not cfg.num_experts:
         return None
-    ffn = moe_names(cfg.architecture)[0]
+    ffn, first = moe_names(cfg.architecture)[0], cfg.moe_layers[0]
     prefix = f"{ffn}.experts.0."
-    shapes = {n: s for n, s in block_parameter_shapes(cfg).items() if n.startswith(prefix)}
+    shapes = {n: s for n, s in block_parameter_shapes(cfg, first).items() if n.startswith(prefix)}
     if quant is not None:
-        specs = quant[1][0]
+        specs = quant[1][first]
         # a weight stored [in, out] (gpt-oss's experts) is quantized as its transpose
         one = sum(packed_bytes(*(s[::-1] if input_major(cfg, n) else s), specs[n.rsplit(".", 1)[0]])
                   if n.endswith(".weight") and n.rsplit(".", 1)[0] in specs
@@ -76,11 +77,11 @@ def expert_sizes(cfg: ModelConfig, reader, dtype: torch.dtype, quant, block_byte
         one = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
         stored_one = one
         if reader is not None:
-            head = f"model.layers.0.{prefix}"
-            stored_one = sum(loc.nbytes for loc in reader.block_locations(0) if loc.name.startswith(head))
-    E = cfg.num_experts
-    return ExpertSizes(one, stored_one, [b - E * one for b in block_bytes],
-                       [b - E * stored_one for b in stored_bytes])
+            head = f"model.layers.{first}.{prefix}"
+            stored_one = sum(loc.nbytes for loc in reader.block_locations(first) if loc.name.startswith(head))
+    E = [cfg.num_experts if cfg.moe_layer(i) else 0 for i in range(cfg.num_hidden_layers)]  # dense layers: 0
+    return ExpertSizes(one, stored_one, [b - e * one for b, e in zip(block_bytes, E)],
+                       [b - e * stored_one for b, e in zip(stored_bytes, E)])
 
 
 def measure_cpu_rates(hidden: int, width: int, dtype: torch.dtype, seconds: float = 0.3) -> tuple[float, float]:
@@ -99,10 +100,27 @@ def measure_cpu_rates(hidden: int, width: int, dtype: torch.dtype, seconds: floa
     return w.numel() * w.element_size() / rates[0] / 1e9, 2 * 64 * w.numel() / rates[1] / 1e9
 
 
+def router_copy_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Every MoE layer's router copied for the prediction (its bias: gpt-oss)."""
+    return len(cfg.moe_layers) * cfg.num_experts * (cfg.hidden_size + 1) * dtype.itemsize
+
+
+def experts_reserve(args, cfg: ModelConfig, sizes: ExpertSizes | None, device: torch.device,
+                    dtype: torch.dtype, staging_needed: bool) -> int:
+    """Device bytes the dense plan keeps free for the experts' least (expert_floor_bytes)."""
+    if sizes is None:
+        return 0
+    return expert_floor_bytes(experts=cfg.num_experts, expert_bytes=sizes.expert_bytes,
+                              stored_expert_bytes=sizes.stored_expert_bytes, top_k=cfg.num_experts_per_tok,
+                              device_is_host=device.type != "cuda", cache_bytes=args.expert_cache_bytes,
+                              prefetch=args.expert_prefetch == "on", staging_needed=staging_needed,
+                              router_bytes=router_copy_bytes(cfg, dtype))
+
+
 def plan_model_experts(args, cfg: ModelConfig, plan, sizes: ExpertSizes, device: torch.device,
                        dtype: torch.dtype, links, staging_needed: bool) -> ExpertPlan:
-    """The experts' plan in what the dense `plan` left, joined to it (plan.experts, and its
-    device and host need)."""
+    """The experts' plan in what the dense `plan` left (with what it kept free for them,
+    plan.reserved_bytes), joined to it (plan.experts, and its device and host need)."""
     where, why = 0.0, ""
     if device.type == "cuda" and not getattr(args, "planned_gpu", False):
         gbps, gflops = measure_cpu_rates(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
@@ -113,19 +131,17 @@ def plan_model_experts(args, cfg: ModelConfig, plan, sizes: ExpertSizes, device:
         why = "copy or CPU: chosen on the machine from its measured link and CPU rates"
     else:
         why = "the device is the CPU: experts in RAM are computed in place, NVMe ones read into RAM"
-    eplan = plan_experts(layers=cfg.num_hidden_layers, experts=cfg.num_experts,
+    eplan = plan_experts(layers=len(cfg.moe_layers), experts=cfg.num_experts,
                          expert_bytes=sizes.expert_bytes, stored_expert_bytes=sizes.stored_expert_bytes,
                          top_k=cfg.num_experts_per_tok,
-                         device_room=plan.device_budget - plan.device_need,
-                         host_room=plan.host_budget - plan.host_need,
+                         device_room=plan.device_budget - plan.device_need + plan.reserved_bytes,
+                         host_room=plan.host_budget - plan.host_need
+                         + (plan.reserved_bytes if plan.device_is_host else 0),
                          device_is_host=plan.device_is_host,
                          force=None if args.experts == "auto" else args.experts,
                          cache_bytes=args.expert_cache_bytes,
                          prefetch=args.expert_prefetch == "on", where_max_tokens=where, why=why,
-                         staging_needed=staging_needed,
-                         # every router copied for the prediction (its bias: gpt-oss)
-                         router_bytes=cfg.num_hidden_layers * cfg.num_experts
-                         * (cfg.hidden_size + 1) * dtype.itemsize)
+                         staging_needed=staging_needed, router_bytes=router_copy_bytes(cfg, dtype))
     plan.add_experts(eplan)
     return eplan
 

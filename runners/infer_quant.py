@@ -67,6 +67,5 @@ def quant_scratch(cfg, quant, batch: int, context: int, new_tokens: int, device,
     if quant is None:
         return 0
     rows = batch * max(1, context - new_tokens)
-    shapes = block_parameter_shapes(cfg)
-    return max(workspace_bytes(*shapes[f"{proj}.weight"], spec, rows, device, dtype)
-               for layer in quant[1] for proj, spec in layer.items())
+    return max(workspace_bytes(*block_parameter_shapes(cfg, i)[f"{proj}.weight"], spec, rows, device, dtype)
+               for i, layer in enumerate(quant[1]) for proj, spec in layer.items())

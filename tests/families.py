@@ -73,9 +73,34 @@ GPT_OSS_FAMILIES: dict[str, tuple[type, type, dict]] = {
 }
 
 
+# DeepSeek-V3 (tests/test_deepseek_v3.py): 3 layers of latent attention (head_dim 8 rotating,
+# 16 not, values 12 wide: all unlike hidden / heads), 8 experts top-2 and shared experts. One case
+# with q_lora_rank, interleaved RoPE, YaRN with mscale != mscale_all_dim (both the cos/sin factor
+# and the softmax scale move), rms_norm_eps 1e-5 (the latent norms keep 1e-6), a dense first layer
+# and 4 groups of which 2 are kept, renormalised; the other with q_proj, pairs (i, i + R/2),
+# plain RoPE, q/kv_a/o biases, every layer sparse, one group, no renormalisation, 2 shared experts
+DEEPSEEK = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=2.5, rms_norm_eps=1e-5)
+DEEPSEEK_FAMILIES: dict[str, tuple[type, type, dict]] = {
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                    {**DEEPSEEK, "q_lora_rank": 24, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+                     "norm_topk_prob": True, "rope_interleave": True, "n_shared_experts": 1,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.8,
+                                         "mscale_all_dim": 0.6, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "rope_theta": 10000.0, "original_max_position_embeddings": 32}}),
+    "deepseek_v3-plain": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                          {**DEEPSEEK, "q_lora_rank": None, "first_k_dense_replace": 0, "n_group": 1,
+                           "topk_group": 1, "norm_topk_prob": False, "rope_interleave": False,
+                           "n_shared_experts": 2, "attention_bias": True,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+
+
 def random_family_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """A transformers model of family case `name` with every weight random, in eval mode, fp32."""
-    cfg_cls, model_cls, overrides = {**FAMILIES, **MOE_FAMILIES, **GPT_OSS_FAMILIES}[name]
+    """A transformers model of family case `name` with every weight random, in eval mode, fp32
+    (DeepSeek-V3's routers' score-correction biases, buffers there, too)."""
+    cfg_cls, model_cls, overrides = {**FAMILIES, **MOE_FAMILIES, **GPT_OSS_FAMILIES, **DEEPSEEK_FAMILIES}[name]
     torch.manual_seed(seed)
     overrides = {k: (dict(v) if isinstance(v, dict) else v) for k, v in overrides.items()}  # transformers mutates them
     hf = model_cls(cfg_cls(**{**SMALL, **overrides})).eval()
@@ -85,6 +110,9 @@ def random_family_model(name: str, seed: int = 0) -> torch.nn.Module:
                 p.copy_(0.1 * torch.randn_like(p) + (0.0 if "gemma" in name else 1.0))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
+        for bname, buf in hf.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn_like(buf))
     return hf
 
 
@@ -123,6 +151,30 @@ def make_cases(tmp_path_factory, names, prompt: list[int], short: list[int], lon
     `cases` fixture of the family test files)."""
     return {name: Case(name, str(tmp_path_factory.mktemp(name)), prompt, short, long_ids, new, atol)
             for name in names}
+
+
+def case_prompts(seed: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """(prompt, short prompt, long teacher-forced ids [2, 21]) for a family test file, from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, VOCAB, (12,), generator=gen).tolist()
+    return prompt, prompt[:5], torch.randint(3, VOCAB, (2, 21), generator=gen)
+
+
+def run_infer(path, prompt: list[int], new: int, tmp_path, capsys, *flags) -> tuple[dict, str]:
+    """python -m runners.infer on checkpoint `path`, greedy, `new` tokens past `prompt`, with
+    `flags`: (its JSON output, its stderr); a non-zero exit fails with that stderr."""
+    import json
+
+    from runners.common import run_main
+    from runners.infer import main as infer_main
+
+    out = tmp_path / "out.json"
+    rc = run_main(infer_main, [str(a) for a in [
+        "--model", path, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", new,
+        "--ignore-eos", "--probe-seconds", "0.05", "--output-json", out, *flags]])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    return json.loads(out.read_text()), err
 
 
 class Case:
@@ -181,8 +233,9 @@ def dequantized_reference(case: "Case", blocks) -> torch.nn.Module:
     hf.generation_config.eos_token_id = None
     cfg = ModelConfig.from_hf(json.loads((Path(case.path) / "config.json").read_text()))
     module, (gate, up, down) = moe_names(cfg.architecture)
-    shapes, I = block_parameter_shapes(cfg), cfg.moe_intermediate_size
+    I = cfg.moe_intermediate_size
     for i, layer in enumerate(hf.model.layers):
+        shapes = block_parameter_shapes(cfg, i)
         with SafetensorsFile(block_file(blocks.path, i)) as f:
             for proj, spec in blocks.specs[i].items():
                 parts = {n: f.read(f"{proj}.{n}")

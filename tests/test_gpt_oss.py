@@ -22,7 +22,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from families import VOCAB, Case, greedy_reference, hf_logits  # noqa: E402
+from families import VOCAB, Case, greedy_reference, hf_logits, run_infer  # noqa: E402
 from nvme.format import SafetensorsFile, write_file  # noqa: E402
 from offload.models import (CheckpointError, CheckpointReader, ConfigError, ModelConfig,  # noqa: E402
                             block_parameter_shapes, load_model, load_streamed, num_params, preset,
@@ -262,15 +262,10 @@ def test_export_loads_in_transformers_with_identical_logits(case, tmp_path):
 
 def test_runner_greedy_from_nvme_equals_transformers(case, tmp_path, capsys):
     """python -m runners.infer --weights nvme (its experts placed one by one when it so plans)."""
-    out = tmp_path / "out.json"
-    rc = run_main(infer_main, [str(a) for a in [
-        "--model", case.path, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", NEW,
-        "--weights", "nvme", "--ignore-eos", "--probe-seconds", "0.05", "--offload-dir", tmp_path,
-        "--output-json", out]])
-    err = capsys.readouterr().err
-    assert rc == 0, err
+    res, err = run_infer(case.path, PROMPT, NEW, tmp_path, capsys, "--weights", "nvme",
+                         "--offload-dir", tmp_path)
     assert "GptOssForCausalLM" in err and "B active" in err
-    assert json.loads(out.read_text())["generated_ids"] == case.greedy()["single"]
+    assert res["generated_ids"] == case.greedy()["single"]
 
 
 # ---- MXFP4 (the published checkpoints' experts) -----------------------------------------------------

@@ -245,7 +245,8 @@ def test_unsupported_and_incomplete_directories(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"config.json: architecture GPT2LMHeadModel is not supported "
                                                   r"\(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
                                                   r"Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, "
-                                                  r"Qwen3MoeForCausalLM, OlmoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM\)"):
+                                                  r"Qwen3MoeForCausalLM, OlmoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM, "
+                                                  r"DeepseekV3ForCausalLM\)"):
         CheckpointReader(tmp_path)
     hf = random_hf("LlamaForCausalLM")
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")

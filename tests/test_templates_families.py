@@ -201,7 +201,8 @@ class ScriptedModel(torch.nn.Module):
 
     def __init__(self, vocab_size: int, script: list[int]):
         super().__init__()
-        self.config = SimpleNamespace(num_key_value_heads=1, head_dim=2, num_hidden_layers=1)
+        # what the KV cache is sized from: one layer of one head of width 2 for keys and values
+        self.config = SimpleNamespace(num_hidden_layers=1, kv_cache_widths=lambda: ((1, 2), (1, 2)))
         self.vocab_size, self.script, self.fed = vocab_size, list(script), []
 
     def forward(self, x, kv_cache=None, last_only=False):

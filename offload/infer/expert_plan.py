@@ -143,6 +143,21 @@ class ExpertPlan:
         return "\n".join(lines)
 
 
+def expert_floor_bytes(*, experts: int, expert_bytes: int, stored_expert_bytes: int, top_k: int,
+                       device_is_host: bool, cache_bytes: int = 0, prefetch: bool = True,
+                       staging_needed: bool = True, router_bytes: int = 0) -> int:
+    """The device bytes plan_experts needs at least (every expert on NVMe): the buffer pool, the
+    routers' copies, and on a CPU device the host staging too (one pool). The dense plan keeps
+    them free (plan_inference's reserved_bytes) so that its blocks cannot leave the experts no
+    room to run -- DeepSeek-V3's dense parts alone are larger than a 24 GB GPU."""
+    buffers = min(experts, max(2, top_k)) + (min(experts, top_k) if prefetch else 0) + (
+        cache_bytes // expert_bytes if cache_bytes > 0 else 0)
+    floor = buffers * slot_raw_bytes(expert_bytes, cuda=not device_is_host) + router_bytes
+    if device_is_host and staging_needed:
+        floor += buffers * (stored_expert_bytes + 4096)
+    return floor
+
+
 def plan_experts(*, layers: int, experts: int, expert_bytes: int, stored_expert_bytes: int,
                  top_k: int, device_room: int, host_room: int, device_is_host: bool,
                  force: str | None = None, cache_bytes: int = 0, prefetch: bool = True,
@@ -180,7 +195,7 @@ def plan_experts(*, layers: int, experts: int, expert_bytes: int, stored_expert_
             n_ram = 0
         else:
             n_ram = total
-            while n_ram and host_need(n_ram) + pool > room:
+            while n_ram > 0 and host_need(n_ram) + pool > room:
                 n_ram -= max(1, (host_need(n_ram) + pool - room) // (expert_bytes + 8192))
             n_ram = max(0, n_ram)
         homes = _homes(layers, experts, 0, n_ram)

@@ -29,16 +29,20 @@ exists to be tested (the tokens must not change), not to save memory.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from offload.gpu import on_stream
+from offload.memory.tiers import host_zeros
 from offload.models.config import ModelConfig
 
 
 def offloaded_kv_device_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype,
                               ahead: int = 1) -> int:
     """Device bytes of an OffloadedKVCache: `ahead + 1` layers' keys and values."""
-    per_layer = 2 * batch_size * cfg.num_key_value_heads * max_len * cfg.head_dim * dtype.itemsize
+    per_position = sum(heads * width for heads, width in cfg.kv_cache_widths())
+    per_layer = batch_size * max_len * per_position * dtype.itemsize
     return (ahead + 1) * per_layer
 
 
@@ -46,19 +50,22 @@ class OffloadedKVCache:
     """Keys and values in host RAM, each layer's brought to a device slot before it runs."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *,
-                 device: torch.device | str, dtype: torch.dtype, ahead: int = 1):
+                 device: torch.device | str, dtype: torch.dtype, ahead: int = 1,
+                 pin: bool | None = None):
+        """`pin`: the host tensors page-locked (default: on a CUDA device, where the copies need
+        it to run asynchronously)."""
         if ahead < 1:
             raise ValueError("ahead must be >= 1")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.batch_size, self.max_len, self.length = batch_size, max_len, 0
         self.layers = cfg.num_hidden_layers
-        shape = (max_len, batch_size, cfg.num_key_value_heads, cfg.head_dim)  # position-major
+        # position-major; MLA's keys and values are its latent and rotated key (config.kv_cache_widths)
+        shapes = [(max_len, batch_size, heads, width) for heads, width in cfg.kv_cache_widths()]
         # zeros, not empty: a NaN in a never-written position would survive a 0 attention weight
-        self.host = [(torch.zeros(shape, dtype=dtype, pin_memory=self.cuda),
-                      torch.zeros(shape, dtype=dtype, pin_memory=self.cuda)) for _ in range(self.layers)]
-        self.slots = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                       torch.zeros(shape, dtype=dtype, device=self.device))
+        pin = self.cuda if pin is None else pin
+        self.host = [self._host_layer(shapes, dtype, pin) for _ in range(self.layers)]
+        self.slots = [tuple(torch.zeros(s, dtype=dtype, device=self.device) for s in shapes)
                       for _ in range(min(ahead + 1, self.layers))]
         self.ahead = len(self.slots) - 1
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -68,6 +75,16 @@ class OffloadedKVCache:
         self._issued: set[int] = set()  # layers whose past positions are on their way this forward
         self.h2d_bytes = 0  # counters for the report: past positions in, new positions out
         self.d2h_bytes = 0
+
+    def _host_layer(self, shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                    pin: bool) -> tuple[torch.Tensor, ...]:
+        """One layer's host tensors, views of one buffer: pinned under the process's cap (the
+        pinned allocator's rounded size counted), pageable with a warning past it or when
+        pinning fails (offload/memory/tiers.py pinned_or_pageable; review 2 P10). The
+        inference plan counts one rounded buffer per layer (offload/infer/plan.py kv_host)."""
+        sizes = [math.prod(s) for s in shapes]
+        flat = host_zeros(sum(sizes), dtype, pin)
+        return tuple(part.view(s) for part, s in zip(flat.split(sizes), shapes))
 
     # ---- the KVCache interface -----------------------------------------------------------------
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +117,7 @@ class OffloadedKVCache:
         else:
             hk[start:end].copy_(dk[start:end])
             hv[start:end].copy_(dv[start:end])
-        self.d2h_bytes += 2 * hk[start:end].numel() * hk.element_size()
+        self.d2h_bytes += (hk[start:end].numel() + hv[start:end].numel()) * hk.element_size()
 
     def _bring(self, j: int) -> None:
         """Copy layer j's filled positions into its slot (the new ones are written there by the
@@ -120,7 +137,7 @@ class OffloadedKVCache:
         elif n:
             dk[:n].copy_(hk[:n])
             dv[:n].copy_(hv[:n])
-        self.h2d_bytes += 2 * hk[:n].numel() * hk.element_size()
+        self.h2d_bytes += (hk[:n].numel() + hv[:n].numel()) * hk.element_size()
 
     def reset(self) -> None:
         self.length = 0

@@ -107,11 +107,12 @@ class InferencePlan:
     # an MoE model's routed experts, placed one by one (offload/infer/expert_plan.py); the
     # blocks above are then their dense parts
     experts: "ExpertPlan | None" = None
+    reserved_bytes: int = 0  # kept free for the experts' least (expert_floor_bytes): add_experts'
 
     def add_experts(self, experts: "ExpertPlan") -> None:
         """Join the experts' plan, made in what this plan left: its bytes count in the needs."""
         self.experts = experts
-        dev = experts.device_bytes()
+        dev = experts.device_bytes() - self.reserved_bytes
         if self.device_is_host:
             self.device_need += dev + experts.host_bytes
             self.host_need = self.device_need
@@ -212,6 +213,7 @@ class _Sizes:
     depth: dict[str, int]  # tier -> blocks in flight ahead of the running one
     staging_needed: bool
     scratch_bytes: int = 0  # transient buffers of the first forward (kernel measurement)
+    reserved_bytes: int = 0  # kept free for another planner (an MoE model's experts)
     kv_tier: str = "device"  # "host": offload/infer/kv_cache.py, `kv_ahead + 1` layers on the device
     num_layers: int = 1
     kv_ahead: int = 1
@@ -229,11 +231,15 @@ class _Sizes:
         return -(-self.kv_bytes_per_seq * layers_on_device // self.num_layers)
 
     def kv_host(self, batch: int) -> int:
-        return self.host_size(batch * self.kv_bytes_per_seq) if self.kv_tier == "host" else 0
+        """The host KV cache: one buffer per layer (OffloadedKVCache), each pinned at its own
+        rounded size on a GPU (review 2 P10: the total rounded once was up to 2x short)."""
+        if self.kv_tier != "host":
+            return 0
+        return self.num_layers * self.host_size(batch * self.kv_bytes_per_seq // self.num_layers)
 
     def fixed(self, batch: int) -> int:
         return (self.non_block_bytes + batch * (self.kv_device_per_seq() + self.workspace_per_seq)
-                + WORKSPACE_FIXED_BYTES + self.scratch_bytes)
+                + WORKSPACE_FIXED_BYTES + self.scratch_bytes + self.reserved_bytes)
 
     def slots_for(self, res: list[str]) -> tuple[int, int]:
         """(slot count, their bytes): the streamer's own sizing (slot_raw_bytes)."""
@@ -281,12 +287,13 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
                    device_budget_flag: str = "--gpu-memory", host_budget_flag: str = "--cpu-memory",
                    mode: str = "latency", force: str | None = None, host_ahead: int = 1,
                    nvme_ahead: int = 2, staging_needed: bool = True,
-                   scratch_bytes: int = 0, kv_tier: str = "auto", num_layers: int | None = None,
-                   kv_ahead: int = 1, kv_positions_per_step: int | None = None) -> InferencePlan:
+                   scratch_bytes: int = 0, reserved_bytes: int = 0, kv_tier: str = "auto",
+                   num_layers: int | None = None, kv_ahead: int = 1, kv_positions_per_step: int | None = None) -> InferencePlan:
     """Place every block. `staging_needed`: NVMe reads go through host staging (always on a GPU;
     on CPU only when the checkpoint dtype differs from the compute dtype). `scratch_bytes`:
     transient device bytes beside the workspace (offload/models/kernels.py's measurement
     buffer), counted so that an accepted plan cannot run out of memory during them.
+    `reserved_bytes`: device bytes kept free for an MoE model's experts (InferencePlan.add_experts).
     `kv_tier`: "device", "host" (offload/infer/kv_cache.py: the cache in host RAM, `kv_ahead + 1`
     layers of it on the device) or "auto": the device, unless throughput mode on a GPU cannot
     fit the batch's cache there and host RAM can. `kv_positions_per_step`: the cached positions
@@ -306,7 +313,7 @@ def plan_inference(*, block_bytes: list[int], stored_block_bytes: list[int], non
         raise ValueError("kv_tier must be auto, device or host")
     sizes = _Sizes(list(block_bytes), list(stored_block_bytes), non_block_bytes, kv_bytes_per_seq,
                    workspace_per_seq, device_is_host, {"cpu": host_ahead, "nvme": nvme_ahead},
-                   staging_needed, scratch_bytes, kv_tier="host" if kv_tier == "host" else "device",
+                   staging_needed, scratch_bytes, reserved_bytes, kv_tier="host" if kv_tier == "host" else "device",
                    num_layers=num_layers or max(1, n), kv_ahead=kv_ahead)
 
     def placement(sz: _Sizes) -> list[str]:
@@ -377,7 +384,7 @@ def _new_plan(sizes: _Sizes, res: list[str], mode: str, batch_size: int, context
                          slot_count=slot_count, slot_bytes=slot_b, staging_bytes=sizes.staging_for(res),
                          device_need=dev_need, host_need=host_need, device_budget=device_budget,
                          host_budget=host_budget, device_is_host=sizes.device_is_host,
-                         zero_copy_host=sizes.device_is_host, kv_tier=sizes.kv_tier)
+                         zero_copy_host=sizes.device_is_host, kv_tier=sizes.kv_tier, reserved_bytes=sizes.reserved_bytes)
 
 
 def _place(sizes: _Sizes, batch_size: int, device_budget: int, host_budget: int,
@@ -391,26 +398,28 @@ def _place(sizes: _Sizes, batch_size: int, device_budget: int, host_budget: int,
     if fill_mode == "latency" and sizes.needs(all_dev, batch_size)[0] <= device_budget:
         return all_dev
     dev_room = device_budget - sizes.needs(["nvme"] * n, batch_size)[0]
-    k_dev = 0
-    if fill_mode == "latency":
-        while k_dev < n and sum(sorted(block_bytes)[:k_dev + 1]) <= dev_room:
-            k_dev += 1
     res = ["nvme"] * n
-    for i in spread(k_dev, n):
+    for i in _spread_within(block_bytes, dev_room) if fill_mode == "latency" else []:
         res[i] = "device"
     if not sizes.device_is_host:
         rest = [i for i in range(n) if res[i] != "device"]
         rest_bytes = [sizes.host_block_bytes[i] for i in rest]
-        if sum(rest_bytes) <= host_budget:
-            k_host = len(rest)  # nothing left for NVMe: no staging to reserve
-        else:
-            host_room = host_budget - sizes.staging_for(["nvme"])
-            k_host = 0
-            while k_host < len(rest) and sum(sorted(rest_bytes)[:k_host + 1]) <= host_room:
-                k_host += 1
-        for j in spread(k_host, len(rest)):
+        # all of them when nothing is left for NVMe: no staging to reserve then
+        for j in (range(len(rest)) if sum(rest_bytes) <= host_budget else
+                  _spread_within(rest_bytes, host_budget - sizes.staging_for(["nvme"]))):
             res[rest[j]] = "cpu"
     return res
+
+
+def _spread_within(block_bytes: list[int], room: int) -> list[int]:
+    """The most blocks evenly spaced over the depth (`spread`) whose bytes fit in `room` (fewer
+    than the smallest would allow where sizes differ: DeepSeek-V3's dense layers are larger)."""
+    k = 0
+    while k < len(block_bytes) and sum(sorted(block_bytes)[:k + 1]) <= room:
+        k += 1
+    while k and sum(block_bytes[i] for i in spread(k, len(block_bytes))) > room:
+        k -= 1
+    return spread(k, len(block_bytes))
 
 
 def _check(plan: InferencePlan, force: str | None, dev_flag: str, host_flag: str, biggest: int,

@@ -35,10 +35,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """F.scaled_dot_product_attention(q [B, nh, T, D], k/v [B, kvh, S, D], mask bool [B, 1, T, S]
     or None, scale None = 1/sqrt(D)), with the math backend on a CPU where the fused kernel
     failed this class's check (the scale is one multiply inside the same kernel, so a class is
-    checked at the default scale)."""
+    checked at the default scale), and for values of another width than the queries' (MLA)."""
     extra: dict = {"enable_gqa": True} if enable_gqa else {}
     if scale is not None:
         extra["scale"] = scale
+    if q.device.type == "cpu" and v.shape[-1] != q.shape[-1]:  # MLA: no class of this kind is checked
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **extra)
     if q.device.type == "cpu":
         kind = "mask" if mask is not None else "causal" if is_causal else "none"
         shape_class = (q.shape[-1], str(q.dtype).removeprefix("torch."), enable_gqa)

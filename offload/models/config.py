@@ -7,7 +7,9 @@ the options a family switches on (Qwen3's q/k norms, Gemma's (1 + w) norms aroun
 and MLP, soft-capping, per-layer sliding windows and RoPE bases, GeGLU, the embedding scale;
 Phi-3's fused projections, partial rotation and LongRoPE; OLMoE's whole-projection q/k norms and
 q/k/v clipping; the mixtures of experts' router and experts, moe.py; gpt-oss's attention sinks
-and clamped SwiGLU experts). Reading and writing Hugging Face
+and clamped SwiGLU experts; DeepSeek-V3's latent attention, mla.py, its group-limited sigmoid
+router, shared experts and dense first layers -- layers of two kinds, so the per-layer shapes
+take the layer). Reading and writing Hugging Face
 `config.json` per family lives in `families.py`; presets in `presets.py`.
 
 Anything a config asks for that the decoder does not do is refused here in one line naming
@@ -104,6 +106,19 @@ class ModelConfig:
     # `gate_up_proj`, weights stored [in, out] as its checkpoints store them (moe.py)
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
+    # ---- DeepSeek-V3 (Kimi-K2, Moonlight): multi-head latent attention (mla.py) and its MoE ----
+    kv_lora_rank: int = 0  # > 0: MLA, keys and values expanded from a kv_lora_rank-wide latent
+    q_lora_rank: int | None = None  # MLA's queries through a q_lora_rank-wide latent (None: q_proj)
+    qk_nope_head_dim: int = 0  # MLA: each head's query/key dimensions that do not rotate
+    qk_rope_head_dim: int = 0  # MLA: those that do (= head_dim, what RoPE rotates)
+    v_head_dim: int = 0  # MLA: each head's value width
+    rope_interleave: bool = False  # RoPE pairs (2i, 2i + 1), DeepSeek's layout, not (i, i + R/2)
+    first_k_dense_replace: int = 0  # the first k layers have the dense MLP, the rest experts
+    n_shared_experts: int = 0  # a SwiGLU of moe_intermediate_size x n added to the routed experts
+    n_group: int = 1  # moe_router "sigmoid_group_topk": experts in n_group groups, ...
+    topk_group: int = 1  # ... the topk_group best groups' experts eligible
+    routed_scaling_factor: float = 1.0  # the routing weights' factor
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers stored after the last: not built
 
     def __post_init__(self) -> None:
         if (self.head_dim == 0 and type(self.num_attention_heads) is int
@@ -181,6 +196,10 @@ class ModelConfig:
         if self.qk_norm_whole and not self.qk_norm:
             raise ConfigError("qk_norm_whole (norms over the whole q/k projections) needs qk_norm")
         self._validate_moe()
+        self._validate_mla()
+        if type(self.num_nextn_predict_layers) is not int or self.num_nextn_predict_layers < 0:
+            raise ConfigError(f"num_nextn_predict_layers must be an integer >= 0, got "
+                              f"{self.num_nextn_predict_layers!r}")
         check_family(self)
 
     def _validate_moe(self) -> None:
@@ -194,9 +213,10 @@ class ModelConfig:
         if type(experts) is not int or experts < 0:
             raise ConfigError(f"num_experts must be an integer >= 0 (0: a dense MLP), got {experts!r}")
         if experts == 0:
-            if k != 0 or width != 0 or self.norm_topk_prob:
-                raise ConfigError("num_experts_per_tok, moe_intermediate_size and norm_topk_prob "
-                                  "are for mixture-of-experts layers (num_experts > 0)")
+            if k != 0 or width != 0 or self.norm_topk_prob or self.first_k_dense_replace or self.n_shared_experts:
+                raise ConfigError("num_experts_per_tok, moe_intermediate_size, norm_topk_prob, "
+                                  "first_k_dense_replace and n_shared_experts are for mixture-of-experts "
+                                  "layers (num_experts > 0)")
             return
         if type(k) is not int or not 1 <= k <= experts:
             raise ConfigError(f"num_experts_per_tok must be an integer in [1, num_experts = "
@@ -205,6 +225,68 @@ class ModelConfig:
             raise ConfigError(f"moe_intermediate_size must be a positive integer, got {width!r}")
         if self.fused_projections or self.hidden_act != "silu" or self.mlp_bias:
             raise ConfigError("experts are SwiGLU MLPs without bias or fused projections")
+        dense, shared = self.first_k_dense_replace, self.n_shared_experts
+        if type(dense) is not int or not 0 <= dense < self.num_hidden_layers:
+            raise ConfigError(f"first_k_dense_replace must be an integer in [0, num_hidden_layers = "
+                              f"{self.num_hidden_layers}) (the layers before it dense), got {dense!r}")
+        if type(shared) is not int or shared < 0:
+            raise ConfigError(f"n_shared_experts must be an integer >= 0, got {shared!r}")
+        if self.moe_router == "sigmoid_group_topk":
+            self._validate_groups()
+
+    def _validate_groups(self) -> None:
+        """DeepSeek-V3's routing: the experts in n_group equal groups of at least 2 (a group
+        scores as its top-2), topk_group of them kept, top-k drawn from their experts."""
+        E, groups, keep, k = self.num_experts, self.n_group, self.topk_group, self.num_experts_per_tok
+        if type(groups) is not int or groups < 1 or E % groups or E // groups < 2:
+            raise ConfigError(f"n_group must divide the {E} routed experts into groups of at least 2, "
+                              f"got {groups!r}")
+        if type(keep) is not int or not 1 <= keep <= groups or k > keep * (E // groups):
+            raise ConfigError(f"topk_group must be an integer in [1, n_group = {groups}] whose groups hold "
+                              f"num_experts_per_tok = {k} experts, got {keep!r}")
+        if not (_is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise ConfigError(f"routed_scaling_factor must be a finite number > 0, got "
+                              f"{self.routed_scaling_factor!r}")
+
+    def _validate_mla(self) -> None:
+        """Multi-head latent attention (DeepSeek-V3): every width positive, RoPE over the
+        qk_rope_head_dim dimensions (head_dim), one key/value head per query head."""
+        if not self.kv_lora_rank:
+            if self.rope_interleave:
+                raise ConfigError("rope_interleave is for multi-head latent attention (kv_lora_rank > 0)")
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer for latent attention, got {value!r}")
+        if self.q_lora_rank is not None and (type(self.q_lora_rank) is not int or self.q_lora_rank <= 0):
+            raise ConfigError(f"q_lora_rank must be null or a positive integer, got {self.q_lora_rank!r}")
+        if self.head_dim != self.qk_rope_head_dim:
+            raise ConfigError(f"latent attention rotates qk_rope_head_dim = {self.qk_rope_head_dim} "
+                              f"dimensions: head_dim must equal it, got {self.head_dim}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(f"latent attention expands one key and value per head: num_key_value_heads "
+                              f"must be num_attention_heads = {self.num_attention_heads}, got "
+                              f"{self.num_key_value_heads}")
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the mixture of experts (DeepSeek-V3's first
+        first_k_dense_replace layers have the dense MLP)."""
+        return self.num_experts > 0 and layer >= self.first_k_dense_replace
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.moe_layer(i)]
+
+    @property
+    def mtp_layer_indices(self) -> range:
+        """Where a checkpoint stores DeepSeek's multi-token-prediction layers (after the last
+        decoder layer): read past, as transformers reads past them."""
+        return range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers)
+
+    @property
+    def mla(self) -> bool:  # multi-head latent attention (mla.py)
+        return self.kv_lora_rank > 0
 
     def layer_kind(self, layer: int) -> str:
         """"sliding_attention" or "full_attention" for decoder layer `layer`."""
@@ -214,12 +296,25 @@ class ModelConfig:
 
     # ---- derived sizes ----------------------------------------------------------------------
     @property
-    def q_size(self) -> int:  # width of q_proj's output
+    def q_size(self) -> int:  # width of q_proj's output (MLA: every head's query, nope and rope)
+        if self.mla:
+            return self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
         return self.num_attention_heads * self.head_dim
 
     @property
-    def kv_size(self) -> int:  # width of k_proj's (and v_proj's) output
+    def kv_size(self) -> int:  # width of k_proj's (and v_proj's) output (MLA: o_proj's input)
+        if self.mla:
+            return self.num_attention_heads * self.v_head_dim
         return self.num_key_value_heads * self.head_dim
+
+    def kv_cache_widths(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """What a layer's KV cache holds per position: ((heads, width) of the keys, of the
+        values). MLA caches what transformers caches, the normalised latent (1, kv_lora_rank)
+        and the rotated shared key (1, qk_rope_head_dim); keys and values are expanded from
+        them at every step."""
+        if self.mla:
+            return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
+        return (self.num_key_value_heads, self.head_dim), (self.num_key_value_heads, self.head_dim)
 
     @property
     def model_type(self) -> str:
@@ -309,10 +404,41 @@ def _is_number(value: Any) -> bool:
 
 
 # ---- parameter shapes and counts ------------------------------------------------------------
-def block_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Names (relative to one decoder layer) and shapes of a block's parameters, in the order
-    llama.py registers them (the order flat buffers lay them out in)."""
-    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+def block_parameter_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Names (relative to one decoder layer) and shapes of decoder layer `layer`'s parameters,
+    in the order llama.py registers them (the order flat buffers lay them out in). `layer` may
+    be left out where every layer is alike; DeepSeek-V3's first first_k_dense_replace layers
+    have the dense MLP, the rest the experts: there it must be given."""
+    if layer is None:
+        if cfg.first_k_dense_replace:
+            raise ConfigError("this config's layers differ (first_k_dense_replace dense layers, then "
+                              "mixtures of experts): name the layer")
+        layer = cfg.num_hidden_layers - 1
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.attention_sinks:  # a parameter of the attention module itself: listed before its children's
+        shapes["self_attn.sinks"] = (cfg.num_attention_heads,)
+    shapes.update(_mla_shapes(cfg) if cfg.mla else _attention_shapes(cfg))
+    shapes.update(_moe_shapes(cfg) if cfg.moe_layer(layer) else _linear_shapes(_dense_mlp(cfg)))
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if cfg.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for norm in norms:
+        shapes[f"{norm}.weight"] = (cfg.hidden_size,)
+    return shapes
+
+
+def _linear_shapes(projections: dict[str, tuple[int, int, bool]]) -> dict[str, tuple[int, ...]]:
+    """{projection: (out, in, bias)} -> its weights' (and biases') shapes."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for proj, (out_f, in_f, bias) in projections.items():
+        shapes[f"{proj}.weight"] = (out_f, in_f)
+        if bias:
+            shapes[f"{proj}.bias"] = (out_f,)
+    return shapes
+
+
+def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d = cfg.hidden_size, cfg.head_dim
     attn: dict[str, tuple[int, int, bool]] = (
         {"self_attn.qkv_proj": (cfg.q_size + 2 * cfg.kv_size, h, cfg.attention_bias)}
         if cfg.fused_projections else
@@ -320,43 +446,63 @@ def block_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
          "self_attn.k_proj": (cfg.kv_size, h, cfg.attention_bias),
          "self_attn.v_proj": (cfg.kv_size, h, cfg.attention_bias)})
     attn["self_attn.o_proj"] = (h, cfg.q_size, cfg.o_proj_bias)
-    mlp: dict[str, tuple[int, int, bool]] = (
-        {"mlp.gate_up_proj": (2 * f, h, cfg.mlp_bias)} if cfg.fused_projections else
-        {"mlp.gate_proj": (f, h, cfg.mlp_bias), "mlp.up_proj": (f, h, cfg.mlp_bias)})
-    mlp["mlp.down_proj"] = (h, f, cfg.mlp_bias)
-    if cfg.num_experts:  # the router, then each expert's gate, up, down (moe.py's order)
-        module, (gate, up, down) = moe_names(cfg.architecture)
-        e_f = cfg.moe_intermediate_size
-        mlp = {f"{module}.{router_module(cfg.architecture)}": (cfg.num_experts, h, cfg.swiglu_limit is not None)}
-        for e in range(cfg.num_experts if cfg.swiglu_limit is None else 0):  # gpt-oss's: below
-            prefix = f"{module}.experts.{e}."
-            mlp.update({prefix + gate: (e_f, h, False), prefix + up: (e_f, h, False),
-                        prefix + down: (h, e_f, False)})
-    shapes: dict[str, tuple[int, ...]] = {}
-    if cfg.attention_sinks:  # a parameter of the attention module itself: listed before its children's
-        shapes["self_attn.sinks"] = (cfg.num_attention_heads,)
-    for proj, (out_f, in_f, bias) in attn.items():
-        shapes[f"{proj}.weight"] = (out_f, in_f)
-        if bias:
-            shapes[f"{proj}.bias"] = (out_f,)
+    shapes = _linear_shapes(attn)
     if cfg.qk_norm:  # per head, or over the whole projection (OLMoE)
         shapes["self_attn.q_norm.weight"] = (cfg.q_size if cfg.qk_norm_whole else d,)
         shapes["self_attn.k_norm.weight"] = (cfg.kv_size if cfg.qk_norm_whole else d,)
-    for proj, (out_f, in_f, bias) in mlp.items():
-        shapes[f"{proj}.weight"] = (out_f, in_f)
-        if bias:
-            shapes[f"{proj}.bias"] = (out_f,)
-    if cfg.num_experts and cfg.swiglu_limit is not None:  # gpt-oss: weights [in, out], biases
-        e_f = cfg.moe_intermediate_size
-        for e in range(cfg.num_experts):
-            prefix = f"mlp.experts.{e}."
+    return shapes
+
+
+def _mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention's parameters (mla.py's order, transformers' names)."""
+    h, heads, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank is None:
+        shapes.update(_linear_shapes({"self_attn.q_proj": (cfg.q_size, h, False)}))
+    else:
+        shapes.update(_linear_shapes({"self_attn.q_a_proj": (cfg.q_lora_rank, h, bias)}))
+        shapes["self_attn.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        shapes.update(_linear_shapes({"self_attn.q_b_proj": (cfg.q_size, cfg.q_lora_rank, False)}))
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    shapes.update(_linear_shapes({"self_attn.kv_a_proj_with_mqa": (latent, h, bias)}))
+    shapes["self_attn.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    kv_b = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    shapes.update(_linear_shapes({"self_attn.kv_b_proj": (kv_b, cfg.kv_lora_rank, False),
+                                  "self_attn.o_proj": (h, cfg.kv_size, cfg.o_proj_bias)}))
+    return shapes
+
+
+def _dense_mlp(cfg: ModelConfig, prefix: str = "mlp", width: int | None = None) -> dict[str, tuple[int, int, bool]]:
+    h, f = cfg.hidden_size, cfg.intermediate_size if width is None else width
+    mlp: dict[str, tuple[int, int, bool]] = (
+        {f"{prefix}.gate_up_proj": (2 * f, h, cfg.mlp_bias)} if cfg.fused_projections else
+        {f"{prefix}.gate_proj": (f, h, cfg.mlp_bias), f"{prefix}.up_proj": (f, h, cfg.mlp_bias)})
+    mlp[f"{prefix}.down_proj"] = (h, f, cfg.mlp_bias)
+    return mlp
+
+
+def _moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's: the router (DeepSeek-V3's with its score-correction bias; gpt-oss's with
+    a bias), each expert's gate, up, down (gpt-oss's [in, out] with biases), DeepSeek-V3's
+    shared experts -- moe.py's order."""
+    module, (gate, up, down) = moe_names(cfg.architecture)
+    h, e_f, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    router = f"{module}.{router_module(cfg.architecture)}"
+    shapes: dict[str, tuple[int, ...]] = {f"{router}.weight": (E, h)}
+    if cfg.swiglu_limit is not None:
+        shapes[f"{router}.bias"] = (E,)
+    if cfg.moe_router == "sigmoid_group_topk":
+        shapes[f"{router}.e_score_correction_bias"] = (E,)
+    for e in range(E):
+        prefix = f"{module}.experts.{e}."
+        if cfg.swiglu_limit is not None:  # gpt-oss: weights [in, out], biases
             shapes.update({prefix + "gate_up_proj.weight": (h, 2 * e_f), prefix + "gate_up_proj.bias": (2 * e_f,),
                            prefix + "down_proj.weight": (e_f, h), prefix + "down_proj.bias": (h,)})
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if cfg.sandwich_norms:
-        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    for norm in norms:
-        shapes[f"{norm}.weight"] = (h,)
+        else:
+            shapes.update({prefix + gate + ".weight": (e_f, h), prefix + up + ".weight": (e_f, h),
+                           prefix + down + ".weight": (h, e_f)})
+    if cfg.n_shared_experts:
+        shapes.update(_linear_shapes(_dense_mlp(cfg, f"{module}.shared_experts", e_f * cfg.n_shared_experts)))
     return shapes
 
 
@@ -373,12 +519,13 @@ def input_major(cfg: ModelConfig, name: str) -> bool:
     return cfg.swiglu_limit is not None and ".experts." in name and name.endswith(".weight")
 
 
-def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
-    """The block's projections (relative names, no ".weight"): every matrix but the MoE router
-    (which stays dense: a few KB, and its rounding would change which experts run), in module
-    order -- what int8/int4 conversion quantizes. Mixtral's experts are w1/w3/w2."""
+def projection_names(cfg: ModelConfig, layer: int | None = None) -> tuple[str, ...]:
+    """Layer `layer`'s projections (relative names, no ".weight"; see block_parameter_shapes
+    for `layer`): every matrix but the MoE router (which stays dense: a few KB, and its
+    rounding would change which experts run), in module order -- what int8/int4 conversion
+    quantizes. Mixtral's experts are w1/w3/w2."""
     router = router_name(cfg)
-    return tuple(n[:-len(".weight")] for n, shape in block_parameter_shapes(cfg).items()
+    return tuple(n[:-len(".weight")] for n, shape in block_parameter_shapes(cfg, layer).items()
                  if n.endswith(".weight") and len(shape) == 2 and n != router)
 
 
@@ -390,9 +537,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every distinct parameter (checkpoint name -> shape) in state_dict order. A tied lm_head
     is the embedding itself, so it is not listed (and not stored in HF checkpoints)."""
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
-    block = block_parameter_shapes(cfg)
     for i in range(cfg.num_hidden_layers):
-        shapes.update({block_prefix(i) + k: v for k, v in block.items()})
+        shapes.update({block_prefix(i) + k: v for k, v in block_parameter_shapes(cfg, i).items()})
     shapes["model.norm.weight"] = (cfg.hidden_size,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
@@ -404,8 +550,8 @@ def num_params(cfg: ModelConfig) -> int:
     return sum(math.prod(s) for s in parameter_shapes(cfg).values())
 
 
-def num_block_params(cfg: ModelConfig) -> int:
-    return sum(math.prod(s) for s in block_parameter_shapes(cfg).values())
+def num_block_params(cfg: ModelConfig, layer: int | None = None) -> int:
+    return sum(math.prod(s) for s in block_parameter_shapes(cfg, layer).values())
 
 
 def expert_params(cfg: ModelConfig) -> int:
@@ -420,9 +566,10 @@ def expert_params(cfg: ModelConfig) -> int:
 def num_active_params(cfg: ModelConfig) -> int:
     """Parameters a token runs through: all of them but the experts it is not routed to
     (num_experts - num_experts_per_tok per layer); the router, embeddings and head count as
-    active, as the published "active" figures count them (Mixtral 8x7B: 12.9B of 46.7B) --
+    active, as the published "active" figures count them (Mixtral 8x7B: 12.9B of 46.7B;
+    DeepSeek-V3's shared experts and dense layers are active: 37.55B of 671.03B, "37B") --
     but for gpt-oss, whose model card counts the unembedding and not the embedding table (a
     lookup): 3.61B of 20.91B, 5.13B of 116.83B."""
-    idle = cfg.num_hidden_layers * (cfg.num_experts - cfg.num_experts_per_tok) * expert_params(cfg)
+    idle = len(cfg.moe_layers) * (cfg.num_experts - cfg.num_experts_per_tok) * expert_params(cfg)
     lookup = cfg.vocab_size * cfg.hidden_size if cfg.architecture == GPT_OSS and not cfg.tie_word_embeddings else 0
     return num_params(cfg) - idle - lookup

@@ -27,6 +27,9 @@ against transformers' configuration_<family>.py and modeling_<family>.py (5.24):
 | gpt_oss  | q/k/v/o bias, attention sinks, sliding window on alternate layers, YaRN;  |
 |          | MoE: biased router (`mlp.router`), top-k then softmax over the k, experts |
 |          | with biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit)           |
+| deepseek_v3 | multi-head latent attention (mla.py), interleaved RoPE, YaRN mscale;   |
+|          | dense MLP on the first first_k_dense_replace layers, then MoE: sigmoid    |
+|          | group-limited router with a score-correction bias, shared experts         |
 
 RoPE in config.json comes in two spellings. Real hub checkpoints (written by transformers 4.x)
 carry a top-level `rope_theta` plus an optional `rope_scaling` dict; transformers 5 writes one
@@ -57,6 +60,7 @@ ARCHITECTURES: dict[str, str] = {
     "OlmoeForCausalLM": "olmoe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -66,7 +70,8 @@ class ConfigError(ValueError):
 
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GPT_OSS = "GptOssForCausalLM"
-MOE = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
+DEEPSEEK = "DeepseekV3ForCausalLM"  # also Kimi-K2 and Moonlight (model_type kimi_k2 / deepseek_v3)
+MOE = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM", GPT_OSS, DEEPSEEK)
 # per MoE architecture: the MoE module's name in a layer, and each expert's (gate, up, down)
 # projections -- the names transformers' save_pretrained writes (Mixtral keeps its original
 # checkpoint's `block_sparse_moe.experts.E.w1/w3/w2`; transformers renames them on load)
@@ -78,8 +83,10 @@ MOE_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
 # how routing weights are made: softmax over every expert in fp32, top-k, renormalised when
 # norm_topk_prob; "softmax_topk" casts them to the compute dtype before they scale the experts'
 # outputs (Qwen3-MoE, OLMoE), "softmax_topk_fp32" keeps them in fp32 (Mixtral); "topk_softmax":
-# the top-k of the biased router's logits, softmax over those k in the compute dtype (gpt-oss)
-ROUTERS = ("softmax_topk", "softmax_topk_fp32", "topk_softmax")
+# the top-k of the biased router's logits, softmax over those k in the compute dtype (gpt-oss);
+# "sigmoid_group_topk": sigmoid scores in fp32, top-k among the best topk_group of n_group groups
+# by the scores plus a correction bias, weighted by the unbiased scores (DeepSeek-V3)
+ROUTERS = ("softmax_topk", "softmax_topk_fp32", "topk_softmax", "sigmoid_group_topk")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 # keys a config may leave out, per family: transformers' own defaults for them
@@ -122,18 +129,25 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "sliding_window": 128, "attention_bias": True, "num_experts": 128,
               "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001, "swiglu_alpha": 1.702,
               "swiglu_limit": 7.0},
+    DEEPSEEK: {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+               "tie_word_embeddings": False, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+               "norm_topk_prob": True, "bos_token_id": 0, "eos_token_id": 1, "num_experts": 256,
+               "n_shared_experts": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+               "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+               "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3, "rope_interleave": True,
+               "num_nextn_predict_layers": 1},
 }
+# DeepSeek-V3's own keys, carried into ModelConfig under the same names
+_DEEPSEEK_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                  "topk_group", "first_k_dense_replace", "n_shared_experts", "routed_scaling_factor",
+                  "num_nextn_predict_layers")
+_NOT_DEEPSEEK = {**dict.fromkeys(_DEEPSEEK_KEYS, 0), "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 1.0, "q_lora_rank": None, "rope_interleave": False}
 # gpt-oss's RoPE when its config.json names none (GptOssConfig's own default)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                  "truncate": False, "original_max_position_embeddings": 4096}
 # the MoE keys' spellings: (ours, transformers' alternative name for the same attribute)
 _EXPERT_KEYS = ("num_experts", "num_local_experts")
-_OPTIONS = ("hidden_act", "norm_style", "sandwich_norms", "qk_norm", "embed_scale",
-            "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-            "layer_types", "rope_local_theta", "fused_projections", "partial_rotary_factor",
-            "qk_norm_whole", "clip_qkv", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "norm_topk_prob", "moe_router", "attention_sinks",
-            "swiglu_limit", "swiglu_alpha")
 _DENSE = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
           "norm_topk_prob": False, "moe_router": "softmax_topk", "router_aux_loss_coef": None}
 _NOT_GPT_OSS = {"attention_sinks": False, "swiglu_limit": None, "swiglu_alpha": None}
@@ -146,7 +160,7 @@ def _fixed_options(arch: str) -> dict[str, Any]:
         return {"hidden_act": "gelu_pytorch_tanh", "norm_style": "gemma", "sandwich_norms": True,
                 "qk_norm": arch == "Gemma3ForCausalLM", "embed_scale": True, "fused_projections": False,
                 "partial_rotary_factor": 1.0, "qk_norm_whole": False, "clip_qkv": None, **_DENSE,
-                **_NOT_GPT_OSS}
+                **_NOT_GPT_OSS, **_NOT_DEEPSEEK}
     base = {"hidden_act": "silu", "norm_style": "llama", "sandwich_norms": False,
             "qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
             "embed_scale": False, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
@@ -159,8 +173,10 @@ def _fixed_options(arch: str) -> dict[str, Any]:
     if arch not in MOE:
         base.update(_DENSE)
     else:
-        base["moe_router"] = {"MixtralForCausalLM": "softmax_topk_fp32",
-                              GPT_OSS: "topk_softmax"}.get(arch, "softmax_topk")
+        base["moe_router"] = {"MixtralForCausalLM": "softmax_topk_fp32", GPT_OSS: "topk_softmax",
+                              DEEPSEEK: "sigmoid_group_topk"}.get(arch, "softmax_topk")
+    if arch != DEEPSEEK:
+        base.update(_NOT_DEEPSEEK)
     if arch == "MixtralForCausalLM":
         base["norm_topk_prob"] = True  # Mixtral always renormalises its top-k
     # gpt-oss: a sink logit per head, a softmax over k values (nothing to renormalise), norms
@@ -183,7 +199,7 @@ def check_family(cfg: ModelConfig) -> None:
                                     (False, False, True), (True, True, True)},
                "Qwen2ForCausalLM": {(True, False, False)},
                "Qwen3ForCausalLM": both, "Gemma2ForCausalLM": both, "Gemma3ForCausalLM": both,
-               "Qwen3MoeForCausalLM": both, "OlmoeForCausalLM": both, GPT_OSS: both,
+               "Qwen3MoeForCausalLM": both, "OlmoeForCausalLM": both, GPT_OSS: both, DEEPSEEK: both,
                }.get(arch, {(False, False, False)})
     if biases not in allowed:
         raise ConfigError(f"{arch} cannot have (attention_bias, o_proj_bias, mlp_bias)"
@@ -194,7 +210,7 @@ def check_family(cfg: ModelConfig) -> None:
     if per_layer and cfg.sliding_window is not None and cfg.layer_types is None:
         raise ConfigError(f"{arch} takes its sliding window per layer: give layer_types")
     if cfg.sliding_window is not None and arch in ("LlamaForCausalLM", "Qwen2ForCausalLM",
-                                                   "OlmoeForCausalLM"):
+                                                   "OlmoeForCausalLM", DEEPSEEK):
         raise ConfigError(f"sliding_window is not supported for {arch}")
     if cfg.rope_local_theta is not None and arch != "Gemma3ForCausalLM":
         raise ConfigError(f"rope_local_theta (a RoPE base for sliding layers) is Gemma 3's only")
@@ -204,7 +220,9 @@ def check_family(cfg: ModelConfig) -> None:
                           f"got {cfg.head_dim}")
     if arch in MOE and cfg.num_experts == 0:
         raise ConfigError(f"{arch} needs num_experts > 0 (every layer is a mixture of experts)")
-    if arch in MOE and arch != "Qwen3MoeForCausalLM" and cfg.moe_intermediate_size != cfg.intermediate_size:
+    if arch == DEEPSEEK and not cfg.kv_lora_rank:
+        raise ConfigError(f"{arch}'s attention is latent: kv_lora_rank must be > 0")
+    if arch in MOE and arch not in ("Qwen3MoeForCausalLM", DEEPSEEK) and cfg.moe_intermediate_size != cfg.intermediate_size:
         raise ConfigError(f"{arch}'s experts are intermediate_size wide: moe_intermediate_size "
                           f"{cfg.moe_intermediate_size} != intermediate_size {cfg.intermediate_size}")
     if arch == GPT_OSS and (cfg.swiglu_limit is None or cfg.swiglu_alpha is None):
@@ -261,10 +279,13 @@ def _refuse_unsupported(hf: Mapping[str, Any], arch: str) -> None:
     if arch in MOE:
         _refuse_unsupported_moe(hf, arch)
     quant = hf.get("quantization_config")
-    if arch == GPT_OSS and quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if arch == GPT_OSS and quant is not None and method != "mxfp4":
         raise ConfigError(f"quantization_config {str(method)[:60]!r} is not supported for {arch} "
                           f"(only its published MXFP4 experts, dequantized on load)")
+    if arch == DEEPSEEK and quant is not None:
+        raise ConfigError(f"quantization_config {str(method)[:60]!r} is not supported for {arch}: "
+                          f"convert the weights to bf16 first (DeepSeek's FP8 release: its fp8_cast_bf16.py)")
 
 
 def _refuse_unsupported_moe(hf: Mapping[str, Any], arch: str) -> None:
@@ -277,14 +298,17 @@ def _refuse_unsupported_moe(hf: Mapping[str, Any], arch: str) -> None:
     if jitter != 0.0:
         raise ConfigError(f"router_jitter_noise = {jitter!r}: the router's training noise is not "
                           f"implemented; set it to 0")
-    given = {k: hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None}
+    keys = _expert_keys(arch)
+    given = {k: hf[k] for k in keys if hf.get(k) is not None}
     for key, value in given.items():
         if type(value) is not int or value < 1:
             raise ConfigError(f"{key} must be a positive integer for {arch} (0 would make every layer "
                               f"a dense MLP: not supported), got {value!r}")
-    if len(given) == 2 and given["num_experts"] != given["num_local_experts"]:
-        raise ConfigError(f"num_experts {given['num_experts']!r} and num_local_experts "
-                          f"{given['num_local_experts']!r} disagree (one attribute in transformers)")
+    if len(given) == 2 and given[keys[0]] != given[keys[1]]:
+        raise ConfigError(f"{keys[0]} {given[keys[0]]!r} and {keys[1]} {given[keys[1]]!r} disagree "
+                          f"(one attribute in transformers)")
+    if arch == DEEPSEEK:
+        _refuse_unsupported_deepseek(hf)
     if arch == "Qwen3MoeForCausalLM":
         step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
         if step != 1 or dense:
@@ -293,12 +317,43 @@ def _refuse_unsupported_moe(hf: Mapping[str, Any], arch: str) -> None:
                               f"not supported: every layer must be sparse (the released models are)")
 
 
+def _expert_keys(arch: str) -> tuple[str, str]:
+    """The expert count's two spellings in a config.json (one attribute in transformers)."""
+    return ("n_routed_experts", "num_local_experts") if arch == DEEPSEEK else _EXPERT_KEYS
+
+
+# keys of DeepSeek's own config.json that transformers ignores, and the only values it computes
+_DEEPSEEK_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+
+def _refuse_unsupported_deepseek(hf: Mapping[str, Any]) -> None:
+    for key, want in _DEEPSEEK_FIXED.items():
+        if hf.get(key, want) != want:
+            raise ConfigError(f"{key} = {hf[key]!r} is not supported: DeepSeek-V3's routing is "
+                              f"{', '.join(f'{k} {v!r}' for k, v in _DEEPSEEK_FIXED.items())}")
+    for key in (*_DEEPSEEK_KEYS, "num_experts_per_tok"):  # transformers' modules fail on a null
+        if key in hf and hf[key] is None:
+            raise ConfigError(f"{key} is null; DeepSeek-V3 needs a number there (only q_lora_rank may be null)")
+
+
+def _deepseek_fields(hf: Mapping[str, Any], d: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention and routing keys (head_dim is qk_rope_head_dim, as
+    transformers sets it; a null q_lora_rank means a plain q_proj; a null norm_topk_prob or
+    rope_interleave is false there)."""
+    fields = {k: d[k] for k in _DEEPSEEK_KEYS}
+    fields.update(q_lora_rank=hf["q_lora_rank"] if "q_lora_rank" in hf else d["q_lora_rank"],
+                  head_dim=d["qk_rope_head_dim"], moe_intermediate_size=d["moe_intermediate_size"])
+    for key in ("norm_topk_prob", "rope_interleave"):
+        fields[key] = bool(hf[key]) if key in hf else d[key]
+    return fields
+
+
 def _moe_fields(hf: Mapping[str, Any], d: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """The MoE options of an MoE architecture's config.json (either spelling of the expert
     count), with transformers' defaults for what it leaves out."""
     if arch not in MOE:
         return {}
-    given = [hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None]
+    given = [hf[k] for k in _expert_keys(arch) if hf.get(k) is not None]
     fields: dict[str, Any] = dict(
         num_experts=given[0] if given else d["num_experts"],
         num_experts_per_tok=d["num_experts_per_tok"],
@@ -307,6 +362,8 @@ def _moe_fields(hf: Mapping[str, Any], d: Mapping[str, Any], arch: str) -> dict[
         router_aux_loss_coef=d.get("router_aux_loss_coef"))
     if arch not in ("MixtralForCausalLM", GPT_OSS):
         fields["norm_topk_prob"] = bool(d.get("norm_topk_prob", False))
+    if arch == DEEPSEEK:
+        fields.update(_deepseek_fields(hf, d))
     if arch == "OlmoeForCausalLM":
         fields["clip_qkv"] = d.get("clip_qkv")
     if arch == GPT_OSS:  # a null here is no default: transformers refuses or breaks on it
@@ -473,7 +530,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
         "attention_dropout": 0.0, "use_cache": True,
     }
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                "OlmoeForCausalLM", GPT_OSS) or arch in GEMMA:
+                "OlmoeForCausalLM", GPT_OSS, DEEPSEEK) or arch in GEMMA:
         out["attention_bias"] = cfg.attention_bias
     if arch == "LlamaForCausalLM":
         out["mlp_bias"] = cfg.mlp_bias
@@ -519,9 +576,14 @@ def _moe_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
     """The MoE keys as transformers 5 writes them (Qwen3-MoE's expert count under both names:
     transformers 5 writes num_local_experts, 4.x reads num_experts)."""
     arch = cfg.architecture
+    out.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=False)
+    if arch == DEEPSEEK:  # no aux-loss coefficient: its balance is the correction bias
+        out.update({k: getattr(cfg, k) for k in (*_DEEPSEEK_KEYS, "q_lora_rank", "rope_interleave",
+                                                 "moe_intermediate_size", "norm_topk_prob")})
+        out["n_routed_experts"] = cfg.num_experts
+        return
     coef = cfg.router_aux_loss_coef
-    out.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=False,
-               router_aux_loss_coef=_DEFAULTS[arch]["router_aux_loss_coef"] if coef is None else coef)
+    out["router_aux_loss_coef"] = _DEFAULTS[arch]["router_aux_loss_coef"] if coef is None else coef
     if arch == "Qwen3MoeForCausalLM":
         out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,

@@ -242,8 +242,8 @@ class CheckpointReader:
         cfg, config_path = self.config, os.path.join(self.path, CONFIG_NAME)
         # counted before the expected names are listed: a 700-byte config.json asking for 10^7
         # layers must not make us build 10^8 names (or a model) before saying no
-        layers = {int(m.group(1)) for n in self.locations
-                  if (m := _LAYER_NAME.match(n)) is not None}
+        layers = {int(m.group(1)) for n in self.locations  # DeepSeek's MTP layers after the last: unused
+                  if (m := _LAYER_NAME.match(n)) is not None and int(m.group(1)) not in cfg.mtp_layer_indices}
         if cfg.num_hidden_layers != len(layers):
             raise CheckpointError(f"{config_path}: num_hidden_layers is {cfg.num_hidden_layers}, but "
                                   f"the weights hold tensors of {len(layers)} layers (config.json "
@@ -284,7 +284,7 @@ class CheckpointReader:
     def block_tensor_names(self, layer: int) -> list[str]:
         if not 0 <= layer < self.config.num_hidden_layers:
             raise IndexError(f"layer {layer} out of range (model has {self.config.num_hidden_layers})")
-        return [block_prefix(layer) + n for n in block_parameter_shapes(self.config)]
+        return [block_prefix(layer) + n for n in block_parameter_shapes(self.config, layer)]
 
     def non_block_tensor_names(self) -> list[str]:
         return [n for n in parameter_shapes(self.config) if not n.startswith("model.layers.")]

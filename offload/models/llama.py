@@ -1,5 +1,6 @@
 """The decoder of every family (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3; with moe.py's
-mixture-of-experts MLP, Qwen3-MoE, OLMoE, Mixtral and gpt-oss) whose names mirror Hugging Face exactly.
+mixture-of-experts MLP, Qwen3-MoE, OLMoE, Mixtral and gpt-oss; with mla.py's latent attention,
+DeepSeek-V3) whose names mirror Hugging Face exactly.
 
 Module and parameter names are the checkpoint names (`model.embed_tokens`, `model.layers[i]...`,
 `model.norm`, `lm_head`), so `state_dict()` needs no renaming. The decoder layers live in one
@@ -28,6 +29,7 @@ from torch import nn
 from offload.models.attention import attend
 from offload.models.config import ModelConfig, block_prefix
 from offload.models.families import moe_names
+from offload.models.mla import LatentAttention
 from offload.models.moe import SparseMoE
 from offload.models.projections import (FROZEN_GRAD_CHUNK_BYTES, VocabHead, _FrozenProjectionCPU,  # noqa: F401
                                         _HeadProjection, head_projection, project)
@@ -202,12 +204,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int | None = None):
+        """Decoder layer `layer` (None: any MoE layer of an MoE model, the only kind most have)."""
         super().__init__()
-        self.self_attn = Attention(cfg)
-        # the MLP, or the mixture of experts in its place (moe.py; Mixtral's `block_sparse_moe`)
-        self.ffn_name = moe_names(cfg.architecture)[0] if cfg.num_experts else "mlp"
-        self.add_module(self.ffn_name, SparseMoE(cfg) if cfg.num_experts else MLP(cfg))
+        self.self_attn = LatentAttention(cfg, RMSNorm) if cfg.mla else Attention(cfg)
+        # the MLP, or the mixture of experts in its place (moe.py; Mixtral's `block_sparse_moe`);
+        # DeepSeek-V3's first first_k_dense_replace layers keep the dense MLP
+        moe = cfg.num_experts > 0 and (layer is None or cfg.moe_layer(layer))
+        self.ffn_name = moe_names(cfg.architecture)[0] if moe else "mlp"
+        self.add_module(self.ffn_name, SparseMoE(cfg) if moe else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
         # Llama: the norm before the MLP; Gemma: the norm of the attention's output
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
@@ -234,19 +239,24 @@ class DecoderLayer(nn.Module):
 def kv_cache_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype) -> int:
     """Bytes a KVCache of this shape takes, computed without allocating (for the planner)."""
     element_bytes = torch.empty((), dtype=dtype, device="meta").element_size()
-    return 2 * cfg.num_hidden_layers * batch_size * cfg.num_key_value_heads * max_len * cfg.head_dim * element_bytes
+    per_position = sum(heads * width for heads, width in cfg.kv_cache_widths())
+    return cfg.num_hidden_layers * batch_size * max_len * per_position * element_bytes
 
 
 class KVCache:
     """Preallocated keys and values, per layer [B, kv_heads, max_len, head_dim], plus the number
-    of positions filled so far (`length`, the same for every row: left padding is masked)."""
+    of positions filled so far (`length`, the same for every row: left padding is masked). MLA
+    (DeepSeek-V3) keeps its latent [B, 1, max_len, kv_lora_rank] and rotated shared key
+    [B, 1, max_len, qk_rope_head_dim] in their place (config.kv_cache_widths)."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        (kh, kw), (vh, vw) = cfg.kv_cache_widths()
         # Zeros, not empty: a NaN left in an unused slot would survive a 0 attention weight.
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.keys = [torch.zeros((batch_size, kh, max_len, kw), device=device, dtype=dtype)
+                     for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.zeros((batch_size, vh, max_len, vw), device=device, dtype=dtype)
+                       for _ in range(cfg.num_hidden_layers)]
         self.batch_size, self.max_len, self.length = batch_size, max_len, 0
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +316,7 @@ class LlamaModel(nn.Module):
                                          _weight=weight)
         if weight.device.type != "meta":
             nn.init.normal_(self.embed_tokens.weight)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
         self.layer_kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
         self.rotary = Rotary(cfg, FULL)
@@ -431,11 +441,12 @@ def norm_init_value(cfg: ModelConfig) -> float:
 
 
 def init_parameter_(name: str, out: torch.Tensor, seed: int, std: float, norm_value: float = 1.0) -> None:
-    """Deterministic init of one parameter from (seed, checkpoint name): norms 1, biases 0,
-    matrices N(0, std). Drawn on CPU in fp32 so the values do not depend on device or dtype."""
+    """Deterministic init of one parameter from (seed, checkpoint name): norms 1, biases 0
+    (DeepSeek-V3's router score-correction bias too), matrices N(0, std). Drawn on CPU in fp32
+    so the values do not depend on device or dtype."""
     if name.endswith("norm.weight"):
         out.fill_(norm_value)
-    elif name.endswith(".bias"):
+    elif name.endswith((".bias", "e_score_correction_bias")):
         out.zero_()
     else:
         # drawn INIT_CHUNK values at a time into an fp32 temporary: one draw of a whole 8B

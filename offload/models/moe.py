@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, OLMoE, Mixtral, gpt-oss), computed as transformers computes them.
+"""Mixture-of-experts MLPs (Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3), computed as transformers computes them.
 
 A layer's MoE module (`mlp`; Mixtral's `block_sparse_moe`) holds the router `gate` (an
 nn.Linear [num_experts, hidden], no bias) and `experts`, an nn.ModuleList of one gated MLP per
@@ -26,6 +26,12 @@ SwiGLU, its gate and up interleaved in one `gate_up_proj`; and its matrices are 
 (`InputMajorLinear`) as gpt-oss checkpoints store them, so each expert's matrix is one
 contiguous byte range of the fused checkpoint tensor, read and streamed in place
 (`_gpt_oss_parts`), and written back fused (`fused_for_export`).
+
+DeepSeek-V3 (`DeepseekV3MoE`, 5.24): the router `mlp.gate` (`GroupRouter`) holds its weight and
+a per-expert score-correction bias; `route_groups` is transformers' group-limited sigmoid routing,
+its weights kept in fp32; `mlp.shared_experts` (a plain `Expert` of moe_intermediate_size x
+n_shared_experts) runs on every token and is added after the routed sum. Its experts are plain
+`Expert`s, stored per expert or fused as Qwen3-MoE's.
 """
 
 from __future__ import annotations
@@ -103,24 +109,65 @@ class ClampedSwiGLUExpert(nn.Module):
         return project(self.down_proj, (up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
+class GroupRouter(nn.Module):
+    """DeepSeek-V3's router (`mlp.gate`): `weight` [experts, hidden] and the per-expert
+    `e_score_correction_bias` [experts], which steers the choice of experts but not their
+    weights. Both are parameters (transformers keeps the bias as a buffer; it gets no gradient
+    here either: it only ranks). `route_groups` is its forward."""
+
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(experts))
+
+
+def route_groups(router: GroupRouter, x: torch.Tensor, top_k: int, groups: int, keep: int,
+                 norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (`DeepseekV3TopkRouter.forward`, 5.24; the same operators in the
+    same order, so the same ties and sums): sigmoid scores of fp32 logits; each of `groups`
+    groups scored by the sum of its two best biased scores; the experts of the `keep` best
+    groups eligible; the top-k of their biased scores chosen; their unbiased scores as weights,
+    divided by their sum (+1e-20) when `norm`, times `scale`. Weights fp32 [N, k], ids [N, k]."""
+    logits = F.linear(x.float(), router.weight.float())  # [N, E] in fp32 whatever the dtype
+    scores = logits.sigmoid()
+    with torch.no_grad():  # the choice only: no gradient reaches the bias
+        choice = scores + router.e_score_correction_bias.float()
+        n, E = choice.shape
+        group_scores = choice.view(n, groups, E // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+        best = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, best, 1)
+        eligible = group_mask.unsqueeze(-1).expand(n, groups, E // groups).reshape(n, E)
+        choice = choice.masked_fill(~eligible.bool(), float("-inf"))
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 class SparseMoE(nn.Module):
     """The router and the experts of one layer (see the module docstring for the order of
-    operations, which is transformers')."""
+    operations, which is transformers'); DeepSeek-V3's shared experts (`shared_experts`, a
+    SwiGLU MLP of moe_intermediate_size x n_shared_experts) added to the routed output."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         _, names = moe_names(cfg.architecture)
+        h, width, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         if cfg.swiglu_limit is not None:  # gpt-oss: the router `router`, with a bias
-            self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
-            experts = [ClampedSwiGLUExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_alpha,
-                                           cfg.swiglu_limit) for _ in range(cfg.num_experts)]
+            self.router = nn.Linear(h, E, bias=True)
+            experts = [ClampedSwiGLUExpert(h, width, cfg.swiglu_alpha, cfg.swiglu_limit) for _ in range(E)]
         else:
-            self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-            experts = [Expert(cfg.hidden_size, cfg.moe_intermediate_size, names) for _ in range(cfg.num_experts)]
+            self.gate = GroupRouter(h, E) if cfg.moe_router == "sigmoid_group_topk" else nn.Linear(h, E, bias=False)
+            experts = [Expert(h, width, names) for _ in range(E)]
         self.experts = nn.ModuleList(experts)
+        self.shared_experts = (Expert(h, width * cfg.n_shared_experts, ("gate_proj", "up_proj", "down_proj"))
+                               if cfg.n_shared_experts else None)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.fp32_weights = cfg.moe_router == "softmax_topk_fp32"
         self.topk_first = cfg.moe_router == "topk_softmax"
+        self.groups = ((cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+                       if cfg.moe_router == "sigmoid_group_topk" else None)
         self.store, self.layer_index = None, -1  # see use_store
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +176,8 @@ class SparseMoE(nn.Module):
         if self.topk_first:  # gpt-oss: top-k of the biased logits, softmax over those k values
             top, ids = torch.topk(F.linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+        if self.groups is not None:  # DeepSeek-V3: weights kept in fp32, as transformers keeps them
+            return route_groups(self.gate, x, self.top_k, *self.groups[:2], self.norm_topk_prob, self.groups[2])
         logits = F.linear(x, self.gate.weight)  # [N, E] in the compute dtype
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -183,7 +232,9 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for r in range(k):  # from zero, in ascending expert order per token: index_add_'s sums
             out = out + y[pick[:, r]]
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        # DeepSeek-V3: the shared experts on the same input, added after the routed ones
+        return out if self.shared_experts is None else out + self.shared_experts(hidden)
 
     def _grouped_weights(self) -> dict[str, torch.Tensor] | None:
         """The store's [experts, ...] weight views of this layer, when it has them, the experts

@@ -167,15 +167,32 @@ def _gpt_oss(layers: int, experts: int) -> ModelConfig:
 
 
 PRESETS.update({"gpt-oss-20b": _gpt_oss(24, 32), "gpt-oss-120b": _gpt_oss(36, 128)})
+# deepseek-ai/DeepSeek-V3 (and -V3.1, -R1, Kimi-K2 at other sizes) as its config.json describes it:
+# latent attention, 3 dense layers then 58 MoE layers of 256 routed experts (top-8 of the best 4
+# of 8 groups) and one shared; published 671B (its 14B multi-token-prediction layer aside, as
+# transformers builds it), 37B activated
+PRESETS["deepseek-v3"] = ModelConfig(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+    num_attention_heads=128, num_key_value_heads=128, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+    rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    max_position_embeddings=163840, architecture="DeepseekV3ForCausalLM", num_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=2048, norm_topk_prob=True, moe_router="sigmoid_group_topk",
+    kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    rope_interleave=True, first_k_dense_replace=3, n_shared_experts=1, n_group=8, topk_group=4,
+    routed_scaling_factor=2.5, num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, dtype="bfloat16")
 # published parameter counts the presets are held to (within 1%: tests/test_families_infer.py)
 PUBLISHED_PARAMS = {"qwen3-8B": 8.19e9, "qwen3-32B": 32.8e9, "gemma3-27B": 27.43e9 - 0.417e9,
                     "gemma3-270M": 268e6, "phi4-14B": 14.7e9, "1B": 1.24e9, "3B": 3.21e9,
                     "8B": 8.03e9, "7B": 6.74e9, "13B": 13.0e9, "70B": 69.0e9, "mistral-7B": 7.24e9,
                     "qwen3-30B-A3B": 30.5e9, "qwen3-235B-A22B": 235e9, "mixtral-8x7B": 46.7e9,
-                    "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9}
+                    "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9, "deepseek-v3": 671e9}
 # published parameters active per token (config.num_active_params: tests/test_moe.py). Qwen3-30B-A3B's
 # "3.3B" is 3.35B cut to two digits: the count is held to that (3.3 <= n / 1e9 < 3.4), the others to 1%
 PUBLISHED_ACTIVE = {"qwen3-30B-A3B": 3.3e9, "qwen3-235B-A22B": 22e9, "mixtral-8x7B": 12.9e9}
 # gpt-oss's (tests/test_gpt_oss.py, 1%), apart: tests/test_moe.py holds PUBLISHED_ACTIVE's experts
 # to 3 x hidden x width parameters each, and gpt-oss's carry biases besides (config.expert_params)
 PUBLISHED_ACTIVE_GPT_OSS = {"gpt-oss-20b": 3.61e9, "gpt-oss-120b": 5.13e9}
+# DeepSeek-V3's "37B activated" (tests/test_deepseek_v3.py: 37.55B, held to 37 <= n / 1e9 < 38 as
+# Qwen3-30B-A3B's "3.3B" is), apart: its dense layers' experts are no 3 x hidden x width each
+PUBLISHED_ACTIVE_DEEPSEEK = {"deepseek-v3": 37e9}

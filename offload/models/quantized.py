@@ -127,17 +127,19 @@ def projection_specs(cfg: ModelConfig, settings: QuantSettings,
     out = []
     for i in range(cfg.num_hidden_layers):
         specs = {}
-        for proj in projection_names(cfg):
+        for proj in projection_names(cfg, i):
             kind = (gguf_types or {}).get(f"{block_prefix(i)}{proj}.weight")
             specs[proj] = QuantSpec(spec.bits, 32) if kind in GGUF_TAKEN[settings.mode] else spec
         out.append(specs)
     return out
 
 
-def quantized_block_bytes(cfg: ModelConfig, specs: dict[str, QuantSpec], dtype: torch.dtype) -> int:
-    """Bytes of one quantized block: the projections' parts plus the norms and biases in `dtype`."""
+def quantized_block_bytes(cfg: ModelConfig, specs: dict[str, QuantSpec], dtype: torch.dtype,
+                          layer: int | None = None) -> int:
+    """Bytes of quantized block `layer` (config.block_parameter_shapes): the projections' parts
+    plus the norms and biases in `dtype`."""
     total = 0
-    for name, shape in block_parameter_shapes(cfg).items():
+    for name, shape in block_parameter_shapes(cfg, layer).items():
         proj = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and proj in specs:  # quantized [out, in] (gpt-oss's experts: transposed)
             total += packed_bytes(*(shape[::-1] if input_major(cfg, name) else shape), specs[proj])
@@ -293,7 +295,7 @@ def convert_blocks(path: str, key: str, cfg: ModelConfig, specs: list[dict[str, 
 def checkpoint_source(reader, dtype: torch.dtype) -> BlockSource:
     """Dense fp32 block tensors read from a CheckpointReader (nothing taken as it is)."""
     def source(i: int):
-        shapes = block_parameter_shapes(reader.config)
+        shapes = block_parameter_shapes(reader.config, i)
         dense = {n: torch.empty(s, dtype=torch.float32) for n, s in shapes.items()}
         reader.read_block_into(i, {block_prefix(i) + n: t for n, t in dense.items()})
         # a weight stored [in, out] (gpt-oss's experts) is quantized as the [out, in] it multiplies by
@@ -307,8 +309,8 @@ def gguf_source(gguf_reader, settings: QuantSettings) -> BlockSource:
     def source(i: int):
         cfg = gguf_reader.config
         dense, taken = {}, {}
-        projections = set(projection_names(cfg))  # an MoE's experts too: each a slice of its 3-D tensor
-        for n in block_parameter_shapes(cfg):
+        projections = set(projection_names(cfg, i))  # an MoE's experts too: each a slice of its 3-D tensor
+        for n in block_parameter_shapes(cfg, i):
             full = block_prefix(i) + n
             t = gguf_reader.tensors[full]
             proj = n.rsplit(".", 1)[0]
@@ -357,7 +359,7 @@ def quantize_checkpoint(reader, settings: QuantSettings, dtype: torch.dtype, *,
         qdir = quantized_dir(cache_root or default_cache_root(), name or gguf_path or reader.path, key)
         source = gguf_source(g, settings) if g else checkpoint_source(reader, dtype)
         if before_convert is not None and not is_converted(qdir, key):
-            before_convert(qdir, sum(quantized_block_bytes(cfg, s, dtype) for s in specs))
+            before_convert(qdir, sum(quantized_block_bytes(cfg, s, dtype, i) for i, s in enumerate(specs)))
         return convert_blocks(qdir, key, cfg, specs, dtype, source, progress)
     finally:
         if g is not None:

@@ -70,32 +70,40 @@ def expert_prefix(cfg) -> str:
 
 def place_experts(model, reader, files: list[list[TensorRange]], placement: ExpertPlacement,
                   dtype: torch.dtype, device, io) -> ExpertStore:
-    """The ExpertStore of `model`'s MoE layers: each expert's ranges cut out of its layer's
-    `files` (names made relative to the expert), a copy of every router for the prediction,
-    every MoE module switched to the store."""
+    """The ExpertStore of `model`'s MoE layers (DeepSeek-V3's first dense layers have none: the
+    placement's homes are per MoE layer): each expert's ranges cut out of its layer's `files`
+    (names made relative to the expert), a copy of every router for the prediction, every MoE
+    module switched to the store."""
     cfg = reader.config
     prefix, ffn = expert_prefix(cfg), moe_names(cfg.architecture)[0]
-    L, E = cfg.num_hidden_layers, cfg.num_experts
-    per_expert: list[list[list[TensorRange]]] = [[[] for _ in range(E)] for _ in range(L)]
+    L, E, moe_layers = cfg.num_hidden_layers, cfg.num_experts, cfg.moe_layers
+    per_expert: list[list[list[TensorRange]] | None] = [
+        [[] for _ in range(E)] if cfg.moe_layer(i) else None for i in range(L)]
     for i, block in enumerate(files):
         for r in block:
             if r.name.startswith(prefix):
                 e, _, rest = r.name[len(prefix):].partition(".")
                 per_expert[i][int(e)].append(dataclasses.replace(r, name=rest))
-    moes = [layer.get_submodule(ffn) for layer in model.model.layers]
+    moes = {i: model.model.layers[i].get_submodule(ffn) for i in moe_layers}
+    first = moes[moe_layers[0]]
     # the router is `gate` (gpt-oss: `router`, with a bias); its top-k are the prediction's
-    name = "router" if hasattr(moes[0], "router") else "gate"
-    parts = ["weight"] + (["bias"] if getattr(moes[0], name).bias is not None else [])
+    # (DeepSeek-V3's: the logits' top-k, without its sigmoid, groups and correction bias)
+    name = "router" if hasattr(first, "router") else "gate"
+    parts = ["weight"] + (["bias"] if getattr(getattr(first, name), "bias", None) is not None else [])
     routers = {f"model.layers.{i}.{ffn}.{name}.{p}": torch.empty(
         (E, cfg.hidden_size) if p == "weight" else (E,), dtype=model_dtype(model), device=device)
-        for i in range(L) for p in parts}
+        for i in moe_layers for p in parts}
     reader.read_tensors_into(routers)
-    store = ExpertStore([m.experts for m in moes], placement.homes_for(L, E), device=device,
+    homes: list[list[str] | None] = [None] * L
+    for i, h in zip(moe_layers, placement.homes_for(len(moe_layers), E)):
+        homes[i] = h
+    store = ExpertStore([moes[i].experts if i in moes else None for i in range(L)], homes, device=device,
                         dtype=dtype, files=per_expert, io=io, top_k=cfg.num_experts_per_tok,
                         routers=[(routers[f"model.layers.{i}.{ffn}.{name}.weight"],
-                                  routers.get(f"model.layers.{i}.{ffn}.{name}.bias")) for i in range(L)],
+                                  routers.get(f"model.layers.{i}.{ffn}.{name}.bias"))
+                                 if i in moes else None for i in range(L)],
                         **placement.store_args(cfg.num_experts_per_tok))
-    for i, m in enumerate(moes):
+    for i, m in moes.items():
         m.use_store(store, i)
     return store
 

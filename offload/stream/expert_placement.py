@@ -64,7 +64,8 @@ class ExpertStats:
 class ExpertPlacement:
     """How an MoE model's routed experts are placed and served (what the loaders take).
 
-    home: one of EXPERT_HOMES for every expert, or per layer a list per expert (a plan's).
+    home: one of EXPERT_HOMES for every expert, or per MoE layer (DeepSeek-V3's first dense
+    layers have none) a list per expert (a plan's).
     window: experts read ahead for the running layer (0: the model's top-k, at least 2).
     prefetch_slots: buffers for the next layer's predicted experts (None: top-k; 0: no prefetch,
     the prediction is still made and scored). cache_slots: experts kept after use (0: no cache).
