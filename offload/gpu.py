@@ -16,7 +16,10 @@ Why these exist (docs/ARCHITECTURE.md, "CUDA ordering"):
     read only once complete, so reporting it adds no synchronisation (desk review L5).
   * `host_delay()`: with OFFLOAD_CUDA_HOST_DELAY_S set, a host sleep in the gradient-landing
     worker before it touches a landed gradient (a slow worker: desk review H1 and M1).
-Both knobs are read from the environment at every call, so a test can set them per run; unset,
+  * `compute_stream_delay(device)`: with OFFLOAD_CUDA_COMPUTE_DELAY_CYCLES set, a GPU sleep
+    queued on the *compute* stream before the device optimizer's kernels of each block (a late
+    step: a copy stream not ordered after the step then reads the old weights; review 2 P2).
+The knobs are read from the environment at every call, so a test can set them per run; unset,
 they cost one dict lookup.
 """
 
@@ -30,6 +33,7 @@ import torch
 
 SIDE_DELAY_ENV = "OFFLOAD_CUDA_SIDE_DELAY_CYCLES"
 HOST_DELAY_ENV = "OFFLOAD_CUDA_HOST_DELAY_S"
+COMPUTE_DELAY_ENV = "OFFLOAD_CUDA_COMPUTE_DELAY_CYCLES"
 
 
 @contextlib.contextmanager
@@ -59,6 +63,15 @@ def side_stream_delay(stream: "torch.cuda.Stream") -> None:
     cycles = int(_env_number(SIDE_DELAY_ENV))
     if cycles > 0 and hasattr(torch.cuda, "_sleep"):
         with on_stream(stream):
+            torch.cuda._sleep(cycles)
+
+
+def compute_stream_delay(device: torch.device) -> None:
+    """Queue the configured GPU sleep on `device`'s current stream (the device optimizer step
+    calls it first); nothing off CUDA."""
+    cycles = int(_env_number(COMPUTE_DELAY_ENV))
+    if cycles > 0 and device.type == "cuda" and hasattr(torch.cuda, "_sleep"):
+        with torch.cuda.device(device):
             torch.cuda._sleep(cycles)
 
 

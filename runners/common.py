@@ -8,6 +8,7 @@ stderr. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Callable, NoReturn, Sequence
@@ -108,10 +109,29 @@ def select_device(gpu: int | None) -> torch.device:
     count = torch.cuda.device_count()
     if gpu >= count:
         raise RunnerError(f"--gpu {gpu}: only {count} CUDA device(s) here (valid: 0..{count - 1})")
-    return torch.device("cuda", gpu)
+    device = torch.device("cuda", gpu)
+    # the current device too: whatever uses it (object collectives, a bare allocation) would
+    # otherwise make a context on GPU 0 (review 2 P8)
+    torch.cuda.set_device(device)
+    return device
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def batch_to_device(batch, device: torch.device):
+    """A micro-batch (offload.data.formats.Batch) on `device` without making the host wait: on
+    CUDA each tensor is pinned first and copied with non_blocking -- a copy from pageable
+    memory synchronises with the compute stream, so the host could not queue micro-batch k+1
+    before k's backward ended (review 2 P11). Pinned blocks are not reused before their copy:
+    torch's host allocator records the copy's stream."""
+    if device.type != "cuda":
+        return batch.to(device)
+    def move(t):
+        return None if t is None else t.pin_memory().to(device, non_blocking=True)
+    return dataclasses.replace(batch, ids=move(batch.ids), mask=move(batch.mask),
+                               position_ids=move(batch.position_ids),
+                               document_ids=move(batch.document_ids))
 
 
 def select_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -11,6 +11,7 @@ Policy only: the mechanisms (engine, data, checkpoints, plan) live in `offload`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -24,7 +25,8 @@ import torch
 from offload.config import format_bytes
 from offload.zero.group import rank_dir
 from offload.zero.rest import largest_module_numel
-from runners.common import fail, note_unused_tensors, run_main, select_device, writable_dir
+from runners.common import (batch_to_device, fail, note_unused_tensors, run_main, select_device,
+                            writable_dir)
 from runners.finetune_args import build_parser, check_args, engine_config
 from runners.finetune_checks import check_position, check_targets, model_identity
 from runners.finetune_lora import LoraRun
@@ -136,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
     from runners.report import Banner
 
     ranks = Ranks.from_env()  # torchrun's environment; one rank without it
-    # under torchrun each rank takes the GPU of its local rank
-    device = select_device(ranks.local if ranks.many and args.gpu is not None else args.gpu)
+    # under torchrun each rank takes the GPU of its local rank (on a GPU node without --gpu too)
+    device = select_device(ranks.gpu(args.gpu))
     ranks.connect(device)
     # every rank runs one command: a flag that differs would have each rank train on settings
     # of its own, or hang in collectives that no longer pair up (each rank picks its own GPU);
@@ -164,6 +166,9 @@ def run(args: argparse.Namespace) -> int:
         # stage 3: the most one module gathers of the resident blocks (offload/zero/rest.py)
         rest_numel = largest_module_numel(model, [b for b in blocks if b.module is None])
     acts = llama_activation_estimate(model_cfg, micro, args.seq_len, cfg.torch_dtype)
+    if lora is not None and lora.quantize:  # one projection's dense weight at a time (review 2 P4)
+        dense = lora.dense_transient_bytes(planned, cfg.torch_dtype, device)
+        acts = dataclasses.replace(acts, transient=dense)
     choice = None
     if args.offload == "auto":
         try:
@@ -226,7 +231,7 @@ def _run_locked(args, cfg, model, model_cfg, source, tokenizer, micro, device, r
 
     if ranks.main:
         rundir.prepare(resume=args.resume, overwrite=args.overwrite, metrics_path=metrics_path)
-    ranks.barrier()  # the others read the directory rank 0 prepared
+    ranks.long_barrier()  # the others read the directory rank 0 prepared
 
     resume_dir, trainer = _resume_point(args, model_cfg)
     # the global micro-batch: a state saved by N ranks resumes on M with the same arithmetic
@@ -416,7 +421,7 @@ def _one_update(args, engine, model, data, order, micro: int, device, cfg,
     divisor = update_token_divisor(tokens, len(parts) * ranks.world)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for part in parts:
-        rows = part.to(device)
+        rows = batch_to_device(part, device)  # pinned, non-blocking on CUDA (review 2 P11)
         logits = model(rows.ids[:, :-1], **rows.model_inputs())
         loss = masked_lm_loss(logits, rows.ids[:, 1:], rows.mask, divisor)
         engine.backward(loss)
@@ -503,6 +508,7 @@ def _finish(args, engine, cfg, history, totals, wall: float, tokens_run: int, ev
     from runners.report import summary_table, write_loss_plot
 
     eval_final = next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None)
+    ranks.long_barrier()  # rank 0 exported, merged and fsynced alone (review 2 P3)
     memory = ranks.gather(engine.memory_report())
     print(summary_table(engine, totals, wall, tokens_run, eval_loss0, eval_final, memory))
     if engine.skipped_steps:

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_memory_args(ap)
     _add_lora_args(ap)
     _add_output_args(ap)
-    ap.add_argument("--gpu", type=int, default=None, help="CUDA device index (absent: CPU)")
+    ap.add_argument("--gpu", type=int, default=None,
+                    help="CUDA device index (absent: CPU; under torchrun every rank takes "
+                         "cuda:LOCAL_RANK whenever a GPU is visible)")
     ap.add_argument("--config", default=None, help="a JSON file of engine options (our keys or DeepSpeed's "
                     "zero_optimization/aio/fp16/bf16/optimizer keys); flags given explicitly win")
     ap.add_argument("--gpu-memory", default=None, help="device budget, e.g. 20GiB (default: free memory)")

@@ -133,6 +133,16 @@ class LoraRun:
         return frozen_bytes(model, found[0] if found is not None else None, dtype,
                             own_dtypes=self.quantize is not None)
 
+    @staticmethod
+    def dense_transient_bytes(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+        """The largest dense weight one quantized projection of `model` (on meta) dequantizes
+        to compute in training (offload/quant/matmul.py _DenseProduct: in forward, recompute
+        and backward, one at a time; float32 on the CPU, the compute dtype on a GPU): the
+        plan's transient (review 2 P4)."""
+        itemsize = 4 if device.type == "cpu" else dtype.itemsize
+        return max((m.out_features * m.in_features * itemsize for m in model.modules()
+                    if hasattr(m, "part_names")), default=0)
+
     def candidates(self, world: int) -> list[tuple[str, dict]]:
         """--offload auto's configurations: the planner's frozen-base list (the same on any
         number of ranks: each streams the whole base from its own tier)."""
@@ -200,12 +210,12 @@ class LoraRun:
             # torchrun: each machine's local rank 0 converts (once, into the shared cache) while
             # the others wait, then they find the finished conversion and reuse it
             first = ranks is None or not ranks.many or ranks.local == 0
-            if not first:
-                ranks.barrier()
+            if not first:  # a long wait (minutes for a large base): review 2 P3
+                ranks.long_barrier()
             reader, self.blocks = qlora.convert(self.args, model_cfg, source,
                                                 qlora.cache_root(self.args.cache_dir), dtype)
             if first and ranks is not None and ranks.many:
-                ranks.barrier()
+                ranks.long_barrier()
             source = QuantizedSource(reader, self.blocks)
         self.source = RecordingSource(source)
         model = build_model(model_cfg, "meta", dtype)

@@ -21,12 +21,12 @@ from typing import Any, Mapping
 
 import torch
 
-from offload.zero.group import any_rank, ensure_process_group, env_world
+from offload.zero.group import any_rank, ensure_process_group, env_world, long_work_group
 from runners.common import RunnerError
 
 # the start-up agreement: every rank is there within seconds of the others (they run the same
-# command); a rank that is not is lost or stuck, and the job must say so long before the 60 s
-# timeout of real work (offload/zero/group.py DEFAULT_TIMEOUT_S)
+# command); a rank that is not is lost or stuck, and the job must say so long before the
+# timeout of real work (offload/zero/group.py dist_timeouts)
 AGREE_TIMEOUT_S = 20.0
 
 def peer_lost(output: str) -> str:
@@ -42,6 +42,7 @@ class Ranks:
     local: int = 0
     agree_s: float = 0.0  # seconds spent in start-up agreements (reported)
     _agree_group: Any = field(default=None, repr=False)
+    _long_group: Any = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls) -> "Ranks":
@@ -50,6 +51,15 @@ class Ranks:
             raise ValueError(f"RANK={rank} WORLD_SIZE={world}: not a valid rank of that world; "
                              f"launch with torchrun")
         return cls(rank, world, local)
+
+    def gpu(self, flag: int | None) -> int | None:
+        """The GPU index this process trains on (None: the CPU) given --gpu: under torchrun
+        cuda:LOCAL_RANK whenever a GPU is visible, --gpu given or not (review 2 P15: the
+        documented torchrun command trained on the CPUs of a GPU node); CUDA_VISIBLE_DEVICES=""
+        keeps the ranks on the CPU. In one process, --gpu as given."""
+        if not self.many:
+            return flag
+        return self.local if flag is not None or torch.cuda.is_available() else None
 
     @property
     def main(self) -> bool:
@@ -73,6 +83,7 @@ class Ranks:
         # rank is, since making a group is itself collective)
         self._agree_group = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=AGREE_TIMEOUT_S))
+        self._long_group = long_work_group()  # and one for waits on one rank's long work
         if not self.main:
             sys.stdout = open(os.devnull, "w")
 
@@ -112,6 +123,14 @@ class Ranks:
         if self.many:
             import torch.distributed as dist
             dist.barrier()
+
+    def long_barrier(self) -> None:
+        """A barrier where the ranks wait while one works alone (the QLoRA conversion, rank 0
+        preparing the run directory, the export and --merge): the long timeout
+        ($OFFLOAD_DIST_LONG_TIMEOUT_S), not the default group's (review 2 P3)."""
+        if self.many:
+            import torch.distributed as dist
+            dist.barrier(group=self._long_group)
 
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is on any (a stop request every rank must act on at

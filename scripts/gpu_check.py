@@ -19,10 +19,14 @@ and are recorded as "skipped: time budget" otherwise.
         lines naming CSAN or a data race count as reports) and with delays injected
         (OFFLOAD_CUDA_SIDE_DELAY_CYCLES=2000000: a torch.cuda._sleep on every side stream before
         each copy; OFFLOAD_CUDA_HOST_DELAY_S=0.002: a host sleep in the gradient-landing worker),
-        where no result may change. Counts and failing
+        where no result may change (OFFLOAD_CUDA_COMPUTE_DELAY_CYCLES=2000000: a sleep on the compute
+        stream before each device optimizer step, too). Counts and failing
         test names from --junitxml; a timeout is a failure; a test module that cannot be imported is
         noted (a failure only when named *cuda*). Goal: all pass, no sanitizer report.
-  train  20% [120 s]  training step time through the library API (offload.initialize,
+  ranks  10% [60 s]   2 GPUs or more: `pytest -m cuda tests/test_cuda_ranks.py`, ZeRO stages 0-3 across
+        2 NCCL ranks (torchrun's environment, one GPU each) against one-process AdamW, and the second
+        desk review's rank findings. On one GPU it is refused in one line ("needs 2 GPUs") at once.
+  train  15% [90 s]  training step time through the library API (offload.initialize,
         engine.backward, engine.step, engine.last_report), bf16 on cuda:0, seeded random weights,
         per preset and mode (scripts/bench_train.py's MODES; activation checkpointing on for presets
         of 3B+ parameters), each in a fresh process (--mode-timeout-s): one warm-up update, then the
@@ -30,19 +34,26 @@ and are recorded as "skipped: time budget" otherwise.
         checkpointing) / 1e12, the StepReport time split, peak device memory and RSS. A plan that
         does not fit (BudgetError / ConfigError) is a recorded skip. Against: offload none of the
         same preset. Goal: cpu >= 40% of none's TFLOPS.
-  infer  20% [120 s]  `python -m runners.infer`, bf16, device budget a quarter of the model's
+  infer  15% [90 s]   `python -m runners.infer`, bf16, device budget a quarter of the model's
         bytes, weights streamed from host RAM (--weights cpu) and from NVMe (--weights nvme): s/token
         at batch 1, tokens/s at batch 32. Against: the link floor the runner reports (bytes per token
         / measured bandwidth; goal >= 85% of it at batch 1) and transformers + accelerate
         device_map="auto" with the same max_memory on the same checkpoint (goal: ours >= 3x faster at
         batch 1). Random-weight checkpoints (runners.infer.random_checkpoint, --checkpoint-timeout-s)
-        are written one at a time under --work-dir and deleted after.
+        are written one at a time under --work-dir and deleted after. On a GPU a run whose peak
+        device memory exceeds the plan it accepted is a failure.
   big    10% [60 s]   `runners.infer --model 70B --gpu 0 --dry-run` captured; then the largest of
         --big-presets whose bf16 weights fit the disk and whose plan the runner accepts generates 4
         tokens (--weights auto: the planner places the blocks): s/token.
 
 Output: a Markdown table (phase, item, result, reference, ratio, goal met?) and --json with the
 machine, every test result and every measurement with its raw timings.
+
+Exit status: 0 only when every selected tests run passed with no sanitizer report, no run exceeded
+its plan and no measurement of ours crashed; 1 otherwise, each failure named on stderr, and the work
+directory (pytest logs, junit XML, children's logs) kept and named; 2 refused (no GPU, bad flags);
+130 interrupted. `--self-test` runs the tests phase on the CPU over a planted suite whose failing
+check must make it exit 1: a kit that exits 0 there can pass falsely.
 """
 
 from __future__ import annotations
@@ -72,8 +83,9 @@ sys.path.insert(0, ROOT)
 from offload.config import format_bytes  # noqa: E402
 from offload.models import PRESETS, num_params, preset  # noqa: E402
 
-PHASES = ("tests", "train", "infer", "big")
-PHASE_SHARE = {"tests": 0.5, "train": 0.2, "infer": 0.2, "big": 0.1}
+PHASES = ("tests", "ranks", "train", "infer", "big")
+# ranks needs 2 GPUs: on one it is refused at once and its share goes to the next phases
+PHASE_SHARE = {"tests": 0.5, "ranks": 0.1, "train": 0.15, "infer": 0.15, "big": 0.1}
 MIN_ITEM_S = 15.0
 # The sanitizer and delay runs take the quick matrix (OFFLOAD_CUDA_QUICK: clipping and accumulation
 # both off, and both on) and leave out the tests that start runner subprocesses or measure peak
@@ -83,7 +95,14 @@ QUICK_K = ["-k", "not cli and not peak_device and not defaults_to_bf16"]
 TEST_RUNS = (("plain", {}, []),
              ("sanitizer", {"TORCH_CUDA_SANITIZER": "1", **QUICK}, QUICK_K),
              ("delays", {"OFFLOAD_CUDA_SIDE_DELAY_CYCLES": "2000000", "OFFLOAD_CUDA_HOST_DELAY_S": "0.002",
-                         **QUICK}, QUICK_K))
+                         "OFFLOAD_CUDA_COMPUTE_DELAY_CYCLES": "2000000", **QUICK}, QUICK_K))
+# the 2-GPU phase: NCCL across 2 ranks (ZeRO stages, review 2's P1-P3, P6, P8)
+RANKS_TESTS = os.path.join("tests", "test_cuda_ranks.py")
+# --self-test: a planted suite whose failing check must make the run exit non-zero
+PLANTED_SUITE = {"test_planted_cuda.py": (
+    "import pytest\n\npytestmark = pytest.mark.cuda\n\n\n"
+    "def test_planted_pass():\n    pass\n\n\n"
+    "def test_planted_failure():\n    assert False, 'planted by gpu_check.py --self-test'\n")}
 TRAIN_MODES = ("none", "cpu", "nvme", "cpu+delayed", "stream-cpu", "stream-nvme")
 # micro-batch x sequence: fills an 80 GB GPU (offload none of 1B: 20 GB of model state, ~10 GB of
 # activations, ~17 GB of bf16/fp32 logits and their gradients over a 128k vocabulary) with an
@@ -342,24 +361,48 @@ def parse_junit(path: str) -> dict:
 
 def phase_tests(args, ctx, runs: list[dict]) -> None:
     for name, extra, select in TEST_RUNS:
+        if name not in args.test_runs:
+            continue
         timeout = ctx.clock.timeout_s("tests", args.test_timeout_s * (1.5 if name == "plain" else 1))
         if timeout is None:
             runs.append({"run": name, "env": extra, "skipped": "time budget"})
             continue
-        xml = os.path.join(ctx.work, f"junit-{name}.xml")
-        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", args.tests_path, "-q", "-p", "no:cacheprovider",
-               "--continue-on-collection-errors", f"--junitxml={xml}", *select]
-        say(f"[tests] {name}: {' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
-        r = run_proc(cmd, timeout, os.path.join(ctx.work, f"pytest-{name}.log"), env=child_env(extra))
-        got = parse_junit(xml) if os.path.exists(xml) else {"passed": 0, "failed": 0, "errors": 0}
-        reports, record_stream_only = sanitizer_reports(r["output"])
-        blocking = [c for c in got.get("collection_errors", []) if "cuda" in c["module"]]
-        ok = not r["timed_out"] and got["passed"] > 0 and not (got["failed"] or got["errors"] or
-                                                               blocking or reports)
-        runs.append({"run": name, "env": extra, "rc": r["rc"], "timed_out": r["timed_out"],
-                     "wall_s": r["wall_s"], **got, "sanitizer_reports": len(reports),
-                     "sanitizer_record_stream_reports": record_stream_only,
-                     "sanitizer_lines": reports[:20], "ok": ok, "output_tail": tail(r["output"], 30)})
+        runs.append({"run": name, "env": extra, **run_pytest(ctx, name, [args.tests_path, *select],
+                                                              timeout, extra)})
+
+
+def run_pytest(ctx, name: str, select: list[str], timeout: float, extra: dict | None = None) -> dict:
+    """`pytest -m cuda SELECT` with a junit file and a log under the work dir: counts, failing
+    tests, sanitizer lines and whether all of it is a pass ("ok")."""
+    xml = os.path.join(ctx.work, f"junit-{name}.xml")
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", *select, "-q", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", f"--junitxml={xml}"]
+    say(f"[tests] {name}: {' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
+    r = run_proc(cmd, timeout, os.path.join(ctx.work, f"pytest-{name}.log"), env=child_env(extra))
+    got = parse_junit(xml) if os.path.exists(xml) else {"passed": 0, "failed": 0, "errors": 0}
+    reports, record_stream_only = sanitizer_reports(r["output"])
+    blocking = [c for c in got.get("collection_errors", []) if "cuda" in c["module"]]
+    ok = not r["timed_out"] and got["passed"] > 0 and not (got["failed"] or got["errors"] or
+                                                           blocking or reports)
+    return {"rc": r["rc"], "timed_out": r["timed_out"], "wall_s": r["wall_s"], **got,
+            "sanitizer_reports": len(reports), "sanitizer_record_stream_reports": record_stream_only,
+            "sanitizer_lines": reports[:20], "ok": ok, "output_tail": tail(r["output"], 30)}
+
+
+# ---- phase: ranks (2 GPUs) ------------------------------------------------------------------------
+def phase_ranks(args, ctx, out: dict) -> None:
+    """ZeRO across 2 NCCL ranks; refused in one line on fewer than 2 GPUs."""
+    count = torch.cuda.device_count() if ctx.gpu else 0
+    if count < 2:
+        out["skipped"] = f"needs 2 GPUs: this machine has {count}"
+        say(f"[ranks] refused: {out['skipped']} (the 2-GPU phase runs on a machine with more)")
+        return
+    timeout = ctx.clock.timeout_s("ranks", args.test_timeout_s)
+    if timeout is None:
+        out["skipped"] = "time budget"
+        return
+    out.update(run="ranks", gpus=count, **run_pytest(ctx, "ranks", [os.path.join(ROOT, RANKS_TESTS)],
+                                                     timeout))
 
 
 def sanitizer_reports(output: str) -> tuple[list[str], int]:
@@ -453,8 +496,19 @@ def run_runner(args, ctx, name: str, extra: list[str], timeout_s: float) -> dict
         if line.startswith(("model:", "plan:", "  ", "prefill", "streamed", "peak")))}
     if r["rc"] == 0 and os.path.exists(out):
         with open(out) as f:
-            return {**result, **json.load(f)}
+            result.update(json.load(f))
+        return {**result, **plan_exceeded(result, ctx.gpu)}
     return {**result, "error": failure(r, timeout_s), "output_tail": tail(r["output"])}
+
+
+def plan_exceeded(run: dict, gpu: bool) -> dict:
+    """{"plan_exceeded": ...} when a runner's peak device memory passed the device bytes its
+    accepted plan promised (on a GPU: on the CPU the peak is the process's RSS); else {}."""
+    peak = run.get("metrics", {}).get("peak_device_bytes")
+    need = run.get("plan", {}).get("device_need")
+    if gpu and peak is not None and need is not None and peak > need:
+        return {"plan_exceeded": {"peak_device_bytes": peak, "device_need": need}}
+    return {}
 
 
 def decode_numbers(m: dict, weights: str, batch: int, h2d_gbps: float | None) -> dict:
@@ -596,6 +650,10 @@ def test_rows(runs: list[dict]) -> list[list[str]]:
     return rows
 
 
+def ranks_rows(r: dict) -> list[list[str]]:
+    return test_rows([{**r, "run": f"2 NCCL ranks ({r.get('gpus', '?')} GPUs)"}])
+
+
 def train_rows(modes: list[dict]) -> list[list[str]]:
     rows = []
     for r in modes:
@@ -631,7 +689,9 @@ def infer_rows(entries: list[dict]) -> list[list[str]]:
             floor = (f"floor {r['floor_s_per_step'] / r['batch']:.4f} s/token ({r['floor_source']})"
                      if "vs_floor" in r else r["floor_source"])
             ok = r["vs_floor"] >= GOAL_FLOOR if r["batch"] == 1 and "vs_floor" in r else None
-            rows.append(["infer", item, f"{r['s_per_token']:.4f} s/token, {r['tokens_per_s']:.1f} tok/s",
+            over = (f"; peak device {format_bytes(r['plan_exceeded']['peak_device_bytes'])} OVER the "
+                    f"plan's {format_bytes(r['plan_exceeded']['device_need'])}" if r.get("plan_exceeded") else "")
+            rows.append(["infer", item, f"{r['s_per_token']:.4f} s/token, {r['tokens_per_s']:.1f} tok/s{over}",
                          floor, f"{100 * r['vs_floor']:.0f}% of floor" if "vs_floor" in r else "-", goal(ok)])
         acc = e["accelerate"]
         ours = next((r for r in e["runs"] if r["weights"] == "cpu" and r["batch"] == 1
@@ -659,7 +719,8 @@ def big_rows(big: dict) -> list[list[str]]:
 
 def markdown(res: dict) -> str:
     ph, rows = res["phases"], []
-    for name, make in (("tests", test_rows), ("train", train_rows), ("infer", infer_rows), ("big", big_rows)):
+    for name, make in (("tests", test_rows), ("ranks", ranks_rows), ("train", train_rows),
+                       ("infer", infer_rows), ("big", big_rows)):
         if name in res["selected"]:
             not_run = isinstance(ph[name], dict) and "skipped" in ph[name]
             rows += [[name, "-", not_measured(ph[name]), "-", "-", "n/a"]] if not_run else make(ph[name])
@@ -693,11 +754,13 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--phases", default=",".join(PHASES), help=f"comma-separated, of {','.join(PHASES)} (default all)")
     add("--budget-s", type=float, default=600.0, help="total wall time in seconds (default 600)")
-    add("--json", default="gpu_check.json", help="everything measured (default gpu_check.json)")
-    add("--work-dir", help="swap files and checkpoints (default: a temp dir under the current "
-        "directory, on its disk, removed at the end)")
+    add("--json", help="everything measured (default gpu_check.json; --self-test: in its work dir)")
+    add("--work-dir", help="swap files, checkpoints, logs and junit files (default: a temp dir under "
+        "the current directory, on its disk, removed at the end unless the run failed)")
     add("--tests-path", default="tests", help="what `pytest -m cuda` collects (default tests)")
     add("--test-timeout-s", type=float, default=150.0, help="per pytest run (default 150)")
+    add("--test-runs", default=",".join(n for n, _, _ in TEST_RUNS),
+        help="which of the tests phase's runs, comma-separated (default all: plain,sanitizer,delays)")
     add("--train-presets", nargs="+", help=f"default {' '.join(GPU_DEFAULTS['train'])}")
     add("--train-modes", nargs="+", default=list(TRAIN_MODES), choices=list(load_script("bench_train").MODES),
         metavar="MODE", help=f"bench_train.py modes (default {' '.join(TRAIN_MODES)})")
@@ -716,6 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--big-presets", nargs="+", help=f"largest first (default {' '.join(GPU_DEFAULTS['big'])})")
     add("--allow-cpu", action="store_true", help="run every phase on the CPU with tiny sizes: for "
         "testing the script itself, not a measurement of anything")
+    add("--self-test", action="store_true", help="check this kit on the CPU: the tests phase over a "
+        "planted suite with a failing check, which must make it exit 1 (an exit 0 means the kit can "
+        "pass falsely)")
     add("--_child", help=argparse.SUPPRESS)
     return p
 
@@ -724,12 +790,60 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def failures(res: dict) -> list[str]:
+    """What makes the run a failure (exit 1), one line each: a selected tests run that is not
+    ok (a failed or erroring test, a timeout, a sanitizer report, or not run for time), the
+    2-GPU phase's, a run past its plan, a measurement of ours that crashed."""
+    out, ph = [], res["phases"]
+    if "tests" in res["selected"]:
+        runs = ph["tests"] if isinstance(ph["tests"], list) else [{"run": "all", **ph["tests"]}]
+        for t in runs:
+            if "ok" not in t:
+                out.append(f"tests {t['run']}: not run ({t.get('skipped', 'interrupted')})")
+            elif not t["ok"]:
+                names = ", ".join(t.get("failures", [])[:5])
+                out.append(f"tests {t['run']}: {t['failed']} failed, {t['errors']} errors"
+                           + (f" ({names})" if names else "")
+                           + (f", {t['sanitizer_reports']} sanitizer report lines"
+                              if t.get("sanitizer_reports") else "")
+                           + (", timed out" if t.get("timed_out") else ""))
+    ranks = ph.get("ranks", {})
+    if "ok" in ranks and not ranks["ok"]:
+        out.append(f"ranks: {ranks['failed']} failed, {ranks['errors']} errors "
+                   f"({', '.join(ranks.get('failures', [])[:5])})")
+    for row in ph.get("train") if isinstance(ph.get("train"), list) else []:
+        if row.get("error"):
+            out.append(f"train {row['preset']} {row['mode']}: {row['error']}")
+    for entry in ph.get("infer") if isinstance(ph.get("infer"), list) else []:
+        for r in entry.get("runs", []):
+            item = f"infer {entry['preset']} --weights {r['weights']} batch {r['batch']}"
+            if r.get("error"):
+                out.append(f"{item}: {r['error']}")
+            if r.get("plan_exceeded"):
+                p = r["plan_exceeded"]
+                out.append(f"{item}: peak device {format_bytes(p['peak_device_bytes'])} > the plan's "
+                           f"{format_bytes(p['device_need'])}")
+    return out
+
+
+def plant_suite(work: str) -> str:
+    """--self-test's suite (PLANTED_SUITE) under `work`; its directory."""
+    suite = os.path.join(work, "planted_suite")
+    os.makedirs(suite, exist_ok=True)
+    for name, text in PLANTED_SUITE.items():
+        with open(os.path.join(suite, name), "w") as f:
+            f.write(text)
+    return suite
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args._child:
         return child_main(json.loads(args._child))
-    gpu = torch.cuda.is_available()
+    if args.self_test:  # the tests phase on the CPU over the planted suite, the plain run only
+        args.allow_cpu, args.phases, args.test_runs = True, "tests", "plain"
+    gpu = torch.cuda.is_available() and not args.self_test
     if not gpu and not args.allow_cpu:
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}, cuda {torch.version.cuda}); "
               f"run it on a machine with an NVIDIA GPU", file=sys.stderr)
@@ -737,6 +851,9 @@ def main(argv: list[str] | None = None) -> int:
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not args.phases or set(args.phases) - set(PHASES):
         p.error(f"--phases: a comma-separated list of {','.join(PHASES)}")
+    args.test_runs = [x.strip() for x in args.test_runs.split(",") if x.strip()]
+    if not args.test_runs or set(args.test_runs) - {n for n, _, _ in TEST_RUNS}:
+        p.error(f"--test-runs: a comma-separated list of {','.join(n for n, _, _ in TEST_RUNS)}")
     if min(args.train_steps, args.grad_accum, *args.infer_batches) < 1 or args.new_tokens < 2:
         p.error("--train-steps, --grad-accum and --infer-batches must be >= 1, --new-tokens >= 2")
     for kind in ("train", "infer", "big"):
@@ -748,8 +865,12 @@ def main(argv: list[str] | None = None) -> int:
     # this process must end them too: it stops the run like Ctrl-C
     signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
-    work = args.work_dir or tempfile.mkdtemp(prefix="gpu_check-", dir=os.getcwd())
+    work = args.work_dir or tempfile.mkdtemp(prefix="gpu_check-",
+                                             dir=None if args.self_test else os.getcwd())
     os.makedirs(work, exist_ok=True)
+    args.json = args.json or os.path.join(work if args.self_test else ".", "gpu_check.json")
+    if args.self_test:
+        args.tests_path = plant_suite(work)
     ctx = types.SimpleNamespace(clock=Deadlines(args.budget_s, args.phases), work=work, gpu=gpu,
                                 device="cuda:0" if gpu else "cpu", h2d_gbps=None,
                                 ckpts=Checkpoints(os.path.join(work, "checkpoints")))
@@ -759,19 +880,31 @@ def main(argv: list[str] | None = None) -> int:
                name: {"skipped": "not reached" if name in args.phases else "not selected (--phases)"}
                for name in PHASES}}
     try:
-        res["machine"].update(run_child({"kind": "env", "device": ctx.device}, 120, work))
+        if args.self_test:  # the planted suite needs no machine numbers
+            res["machine"].update(torch=torch.__version__, cuda=torch.version.cuda)
+        else:
+            res["machine"].update(run_child({"kind": "env", "device": ctx.device}, 120, work))
         ctx.h2d_gbps = res["machine"].get("h2d_gbps")
         for name in args.phases:
             say(f"== {name}: {ctx.clock.left_s(name):.0f} s to its deadline")
-            out = res["phases"][name] = {} if name == "big" else []
-            {"tests": phase_tests, "train": phase_train, "infer": phase_infer, "big": phase_big}[name](
-                args, ctx, out)
+            out = res["phases"][name] = {} if name in ("big", "ranks") else []
+            {"tests": phase_tests, "ranks": phase_ranks, "train": phase_train, "infer": phase_infer,
+             "big": phase_big}[name](args, ctx, out)
     except KeyboardInterrupt:  # what was measured so far is still reported and written
         res["interrupted"] = True
     finally:
         ctx.ckpts.drop()
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
+    return report(args, res, work, t0)
+
+
+def report(args, res: dict, work: str, t0: float) -> int:
+    """Print the table, write the json, keep the work dir where anything failed; the exit status
+    (module docstring)."""
+    res["failures"] = failures(res)
+    keep = bool(res["failures"] or res.get("interrupted"))
+    if not args.work_dir and not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    res["work_dir"] = work if (args.work_dir or keep) else None
     res["elapsed_s"] = time.monotonic() - t0
     m = res["machine"]
     h2d = f"{m['h2d_gbps']:.1f} GB/s" if m.get("h2d_gbps") else f"not measured ({m.get('error')})"
@@ -782,7 +915,21 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.json, "w") as f:
         json.dump(clean(res), f, indent=1)
     print(f"wrote {args.json}")
-    return 130 if res.get("interrupted") else 0
+    if res.get("interrupted"):
+        say(f"gpu_check: interrupted; logs kept in {work}")
+        return 130
+    if res["failures"]:
+        say(f"gpu_check: FAILED ({len(res['failures'])}): " + "; ".join(res["failures"])
+            + f"; logs and junit files kept in {work}")
+        if args.self_test:
+            say("gpu_check --self-test: the planted failure was caught (exit 1, as it must be); "
+                "an exit 0 here would mean the kit can pass falsely")
+        return 1
+    if args.self_test:  # the planted failure went unseen: the kit itself is broken
+        say("gpu_check --self-test: the planted failing check was NOT caught: the kit can pass "
+            "falsely")
+        return 3
+    return 0
 
 
 if __name__ == "__main__":

@@ -116,9 +116,18 @@ def test_tests_phase_counts_failures_and_sanitizer_lines(tmp_path):
     # a module needing a package the GPU machine lacks (hypothesis, say): noted, not a failure
     (suite / "test_needs_missing.py").write_text("import package_that_is_not_installed\n")
     out = tmp_path / "out.json"
-    r = run("--allow-cpu", "--phases", "tests", "--tests-path", str(suite), "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    runs = {x["run"]: x for x in json.loads(out.read_text())["phases"]["tests"]}
+    work = tmp_path / "work"
+    r = run("--allow-cpu", "--phases", "tests", "--tests-path", str(suite), "--json", str(out),
+            "--work-dir", str(work))
+    # a failed test or a sanitizer report fails the kit: exit 1, each named, the logs kept
+    assert r.returncode == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpu_check: FAILED (2): tests sanitizer: 1 failed") and str(work) in last
+    assert "sanitizer report lines" in last and "test_delays_change_nothing" in last
+    assert (work / "junit-plain.xml").exists() and (work / "pytest-sanitizer.log").exists()
+    res = json.loads(out.read_text())
+    assert len(res["failures"]) == 2 and res["work_dir"] == str(work)
+    runs = {x["run"]: x for x in res["phases"]["tests"]}
     assert runs["plain"]["ok"] and runs["plain"]["passed"] == 3 and runs["plain"]["failed"] == 0
     assert runs["plain"]["sanitizer_reports"] == 0
     (missing,) = runs["plain"]["collection_errors"]
@@ -152,3 +161,59 @@ def test_sanitizer_reports_name_the_record_stream_false_positive():
     lines, record_stream_only = gpu_check.sanitizer_reports(out)
     assert len(lines) == 2 and record_stream_only == 1
     assert gpu_check.sanitizer_reports("12 passed\n") == ([], 0)
+
+
+def test_self_test_exits_non_zero_on_its_planted_failure(tmp_path, capsys):
+    """--self-test runs the tests phase on the CPU over a planted suite with a failing check:
+    the kit must exit 1 and say where its logs are (an exit 0 would be a false pass)."""
+    work = tmp_path / "work"
+    r = run_main(capsys, "--self-test", "--json", str(tmp_path / "out.json"), "--work-dir", str(work))
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "test_planted_failure" in r.stderr and f"kept in {work}" in r.stderr
+    assert "--self-test: the planted failure was caught" in r.stderr.strip().splitlines()[-1]
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert [t["run"] for t in res["phases"]["tests"]] == ["plain"]
+    assert res["phases"]["tests"][0]["passed"] == 1 and (work / "junit-plain.xml").exists()
+
+
+def test_failures_name_every_way_a_run_fails():
+    """Exit 1 for: a tests run not ok (failed, timed out, a sanitizer report, not run for
+    time), the 2-GPU phase failing, a measurement of ours crashing, a runner past its plan on a
+    GPU. A refused 2-GPU phase (one GPU), a skipped measurement and the accelerate reference's
+    error are not failures."""
+    from conftest import load_script
+    g = load_script("gpu_check")
+    ok_run = {"run": "plain", "ok": True, "failed": 0, "errors": 0, "sanitizer_reports": 0}
+    res = {"selected": ["tests", "ranks", "train", "infer"], "phases": {
+        "tests": [ok_run, {"run": "sanitizer", "ok": False, "failed": 0, "errors": 0,
+                           "sanitizer_reports": 3}, {"run": "delays", "skipped": "time budget"}],
+        "ranks": {"skipped": "needs 2 GPUs: this machine has 1"},
+        "train": [{"preset": "1B", "mode": "cpu", "error": "exit -9: killed"},
+                  {"preset": "1B", "mode": "nvme", "skipped": "time budget"}],
+        "infer": [{"preset": "8B", "accelerate": {"error": "no transformers"}, "runs": [
+            {"weights": "cpu", "batch": 1, "plan_exceeded": {"peak_device_bytes": 3 << 30,
+                                                             "device_need": 2 << 30}},
+            {"weights": "nvme", "batch": 1, "s_per_token": 0.1}]}]}}
+    got = g.failures(res)
+    assert len(got) == 4, got
+    assert got[0].startswith("tests sanitizer: 0 failed") and "3 sanitizer report lines" in got[0]
+    assert got[1] == "tests delays: not run (time budget)"
+    assert got[2] == "train 1B cpu: exit -9: killed"
+    assert got[3].startswith("infer 8B --weights cpu batch 1: peak device 3.00 GiB > the plan's")
+    assert g.failures({"selected": ["tests"], "phases": {"tests": [ok_run]}}) == []
+    run = {"metrics": {"peak_device_bytes": 5}, "plan": {"device_need": 4}}
+    assert g.plan_exceeded(run, gpu=True) and not g.plan_exceeded(run, gpu=False)
+
+
+def test_two_gpu_phase_is_refused_in_one_line_without_two_gpus(tmp_path, capsys):
+    """The ranks phase (ZeRO across 2 NCCL ranks) needs 2 GPUs: with fewer it is refused at once,
+    in one line, recorded as skipped and not a failure."""
+    r = run_main(capsys, "--allow-cpu", "--phases", "ranks", "--json", str(tmp_path / "out.json"),
+                 "--work-dir", str(tmp_path / "work"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    refused = [line for line in r.stderr.splitlines() if line.startswith("[ranks]")]
+    assert refused == ["[ranks] refused: needs 2 GPUs: this machine has 0 (the 2-GPU phase runs "
+                       "on a machine with more)"]
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["phases"]["ranks"] == {"skipped": "needs 2 GPUs: this machine has 0"}
+    assert "skipped: needs 2 GPUs" in r.stdout

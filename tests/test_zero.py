@@ -156,7 +156,10 @@ def check_state_bytes(memory: list[dict], stage: int, offload: str, phi: int, wo
 
 CONFIGS = ([(stage, offload, "none") for stage in (0, 1, 2) for offload in ("none", "cpu", "nvme")]
            + [(3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"),
-              (3, "nvme", "nvme")])
+              (3, "nvme", "nvme"),
+              # ZeRO-3 with the optimizer in host RAM and the layers' shards on the device
+              # (review 2 P1: on a GPU the CPU kernel must not write that home; CUDA test P1)
+              (3, "cpu", "none")])
 
 
 # the whole matrix on 2 ranks of the tiny Llama; on 3 ranks and on the transformers model, a

@@ -65,6 +65,10 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     load, skip = cfg_kw.pop("load", None), cfg_kw.pop("skip", 0)
     save, save_after = cfg_kw.pop("save", None), cfg_kw.pop("save_after", None)
     poison = cfg_kw.pop("poison", None)  # [rank, micro-batch]: that rank's loss becomes inf
+    delay = cfg_kw.pop("compute_delay", None)  # cycles: offload/gpu.py's compute-stream knob
+    if cfg_kw.get("device") == "cuda":  # one GPU per rank: cuda:LOCAL_RANK (tests/test_cuda_ranks.py)
+        cfg_kw["device"] = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    device = torch.device(cfg_kw.get("device", "cpu"))
     updates = cfg_kw.pop("updates", spec["updates"])  # this configuration's own count
     kind = cfg_kw.pop("model", spec["model"])  # and its own model
     model = make_model(kind)
@@ -77,12 +81,19 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
     data = batches(vocab_of(model), (skip + updates) * accum, spec["rows"],
                    spec["seq"])[skip * accum:]
     per = spec["rows"] // world
+    from offload.gpu import COMPUTE_DELAY_ENV
+    os.environ.pop(COMPUTE_DELAY_ENV, None)
+    if delay:
+        os.environ[COMPUTE_DELAY_ENV] = str(delay)
     engine = offload.initialize(model, offload.OffloadConfig(**cfg_kw))
+    # the current device of this thread and of the engine's step thread (review 2 P8)
+    current = ([torch.cuda.current_device(), engine.parts.step_thread.submit(
+        torch.cuda.current_device).result()] if device.type == "cuda" else None)
     if load:
         engine.load_state(load)
     losses, sent, overlapped = [], [], []
     for i, ids in enumerate(data):
-        loss = lm_loss(model, ids[rank * per:(rank + 1) * per])
+        loss = lm_loss(model, ids[rank * per:(rank + 1) * per].to(device))
         if poison == [rank, i]:
             loss = loss * float("inf")
         engine.backward(loss)
@@ -95,7 +106,8 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
             overlapped.append(engine.last_report.overlapped_blocks)
             if save and len(sent) == save_after:
                 engine.save_state(save)
-    masters = engine.master_params()
+    masters = {k: v.cpu() for k, v in engine.master_params().items()}
+    os.environ.pop(COMPUTE_DELAY_ENV, None)
     memory = engine.account.report()
     plan = {(t, k): v for t, kinds in engine.plan.bytes.items() for k, v in kinds.items() if v}
     peaks = engine.account.kind_peaks()
@@ -106,7 +118,7 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
             "plan": plan, "peaks": peaks, "global_step": engine.global_step,
             "skipped": engine.skipped_steps, "loss_scale": engine.loss_scale,
             "grad_norm": engine.last_report.grad_norm, "path": engine.path.name,
-            "overlapped": overlapped}
+            "overlapped": overlapped, "current_device": current}
 
 
 def main() -> None:

@@ -178,6 +178,7 @@ class Cuda:
 
     def _run_worker(self) -> None:
         g = self.landing
+        torch.cuda.set_device(self.device)  # a new thread starts on device 0 (review 2 P8)
         while True:
             item = self._work.get()
             if item is None:

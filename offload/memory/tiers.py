@@ -10,6 +10,7 @@ apply, so every tier transition runs (and is tested) on CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import resource
@@ -37,11 +38,15 @@ class BudgetError(RuntimeError):
     """A plan does not fit its memory budgets; the message says what would."""
 
 
-def started_worker(name: str) -> ThreadPoolExecutor:
+def started_worker(name: str, device: torch.device | None = None) -> ThreadPoolExecutor:
     """A one-thread executor whose thread is running already: an address-space or thread limit
     that leaves no room for its stack is found while setting up, in one line, not at the first
-    job in the middle of training."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    job in the middle of training. `device` (CUDA): the thread's current device, set first --
+    a new thread starts on device 0, where anything that uses the current device (object
+    collectives, a bare allocation) would make a context of its own (review 2 P8)."""
+    init = (functools.partial(torch.cuda.set_device, device)
+            if device is not None and device.type == "cuda" else None)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
     try:
         pool.submit(lambda: None).result()
     except RuntimeError as e:  # "can't start new thread"
@@ -62,6 +67,23 @@ def device_free_bytes(device: torch.device) -> int:
 
 def host_free_bytes() -> int:
     return int(psutil.virtual_memory().available)
+
+
+def local_ranks() -> int:
+    """Processes of this job on this machine ($LOCAL_WORLD_SIZE, which torchrun sets; 1
+    without it). They share its RAM, pinned memory and disks: each plans against its share
+    (node_share) and pins at most its share of the cap, or N ranks would each take what the
+    whole machine has (review 2 P5)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    try:
+        return max(1, int(raw)) if raw else 1
+    except ValueError:
+        return 1
+
+
+def node_share(free_bytes: int) -> int:
+    """This process's share of `free_bytes` of a resource every rank on the machine uses."""
+    return free_bytes // local_ranks()
 
 
 def disk_free_bytes(path: str) -> int:
@@ -117,6 +139,7 @@ _PIN_WARNED = False
 # other program (and this one's pageable allocations). We pin at most this fraction of the
 # RAM available when the cap is fixed, summed over the live pinned buffers; the rest are
 # pageable (the documented fallback: same results, but copies from or to them are synchronous).
+# Several ranks on one machine each take their share (node_share) of that RAM.
 # RLIMIT_MEMLOCK (ulimit -l) is not used as the cap: CUDA's pinned allocator (cudaHostAlloc)
 # locks pages through the driver and is not bound by it; see docs/RELIABILITY.md.
 PIN_RAM_FRACTION = 0.5
@@ -144,7 +167,8 @@ def freeze_pin_cap() -> int:
     global _pin_cap_bytes
     with _pinned_lock:
         if _pin_cap_bytes is None:
-            _pin_cap_bytes = int((host_free_bytes() + _pinned_bytes) * PIN_RAM_FRACTION)
+            _pin_cap_bytes = int((node_share(host_free_bytes()) + _pinned_bytes)
+                                 * PIN_RAM_FRACTION)
         return _pin_cap_bytes
 
 
@@ -158,7 +182,7 @@ def reset_pin_cap(cap_bytes: int | None = None) -> None:
 def pin_limit_bytes() -> int:
     """The most pinned host memory live at once (see PIN_RAM_FRACTION)."""
     cap = _pin_cap_bytes
-    return cap if cap is not None else int(host_free_bytes() * PIN_RAM_FRACTION)
+    return cap if cap is not None else int(node_share(host_free_bytes()) * PIN_RAM_FRACTION)
 
 
 def pin_allowed(nbytes: int) -> bool:

@@ -297,6 +297,30 @@ def kernels_run() -> dict[str, int]:
     return dict(_ran)
 
 
+class _DenseProduct(torch.autograd.Function):
+    """x @ W^T for training, W dequantized in forward and again in backward: autograd keeps
+    the quantized parts (views of the streamer's slot: its pack hooks re-point them) and never
+    the dense W. F.linear on the dequantized W would save W for x's gradient, a dense 16-bit
+    copy of every projection from its forward to its backward -- unplanned (review 2 P4; as
+    bitsandbytes' QLoRA product). The weight is frozen: only x gets a gradient."""
+
+    @staticmethod
+    def forward(ctx, x2d, qw, sc, mn, spec: QuantSpec, in_features: int):
+        ctx.spec, ctx.in_features = spec, in_features
+        ctx.save_for_backward(qw, sc, mn)
+        return F.linear(x2d, dequantize(_parts(qw, sc, mn), spec, in_features, x2d.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        qw, sc, mn = ctx.saved_tensors
+        w = dequantize(_parts(qw, sc, mn), ctx.spec, ctx.in_features, grad.dtype)
+        return grad.mm(w), None, None, None, None, None
+
+
+def _parts(qw: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {"qweight": qw, "scales": sc, **({"mins": mn} if mn is not None else {})}
+
+
 def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
                  bias: torch.Tensor | None = None, *, kernel: str | None = None) -> torch.Tensor:
     """x [..., in] (float32 / bfloat16 / float16, CPU or CUDA) @ W^T (+ bias) -> [..., out] in x's
@@ -332,6 +356,8 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
         ones = torch.ones(out_f, dtype=x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), qw.contiguous(), ones).float()
         y.mul_(sc.reshape(1, -1).float())
+    elif kernel == "dense" and torch.is_grad_enabled() and x2d.requires_grad:
+        y = _DenseProduct.apply(x2d.to(cdt), qw, sc, mn, spec, in_features)
     elif kernel == "dense":
         y = F.linear(x2d.to(cdt), dequantize(parts, spec, in_features, cdt))
     elif kernel == "c":

@@ -260,7 +260,7 @@ class BlockStreamer:
                 self._landing = torch.empty(stored_bytes, dtype=torch.uint8, device=self.device)
                 self._landing.record_stream(self.copy_stream)  # as the slots (review M3)
         self._staging_next = 0
-        self._executor = started_worker("offload-fetch")
+        self._executor = started_worker("offload-fetch", self.device)
 
     def _stored_bytes(self, i: int) -> int:
         dt = self._stored_dtype[i] or self.dtype
@@ -388,6 +388,7 @@ class BlockStreamer:
                 with torch.cuda.device(self.device), on_stream(self.copy_stream):
                     if wait_free is not None:  # the slot's previous owner's kernels first
                         self.copy_stream.wait_event(wait_free)
+                    self.shards.after_home_writes(self.copy_stream)  # the step's (review 2 P2)
                     part.copy_(src, non_blocking=True)
                     if staging is not None:
                         staging.done.record(self.copy_stream)

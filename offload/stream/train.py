@@ -324,7 +324,9 @@ class TrainingStreamer(BlockHooks):
 
     # -- the optimizer writes weights back to the tier ----------------------------------------
     def weight_target(self, li: int) -> torch.Tensor | None:
-        """Where the step may write block li's new 16-bit weights in place (cpu tier)."""
+        """Where the step may write block li's new 16-bit weights in place (cpu tier; at stage 3
+        with offload_params="none" that home is a device tensor: a CPU kernel may not write it,
+        the stepper uploads into it instead)."""
         return self.streamer.host_buffer(li) if self.tier == "cpu" else None
 
     def write_weights(self, li: int, flat16: torch.Tensor):
@@ -341,5 +343,7 @@ class TrainingStreamer(BlockHooks):
         """Block li's weights (this rank's shard of them at stage 3) into their home."""
         if self.tier == "cpu":
             self.streamer.host_buffer(li)[:flat16.numel()].copy_(flat16)
+            if self.shards is not None:  # a device home: later fetches wait for this copy
+                self.shards.homes_written(self.streamer.device)
         else:
             self.write_weights(li, flat16).wait()  # stage 3: padded to the shard's length

@@ -78,7 +78,7 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
         # allocates anything: measured per request, every earlier (pageable) allocation
         # would lower it and the buffers that most need pinning come last (desk review H3)
         freeze_pin_cap()
-    step_thread = started_worker("offload-step")  # first: nothing to undo if it fails
+    step_thread = started_worker("offload-step", g.device)  # first: nothing to undo if it fails
     account = MemoryAccount()
     links = {k: LinkCounter() for k in LINKS}
     store = make_store(cfg, g, plan)

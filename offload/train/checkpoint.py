@@ -99,7 +99,7 @@ def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[st
         if main:
             os.makedirs(tmp)
         if zero is not None:
-            zero.barrier()  # tmp exists before any rank writes into it
+            zero.long_barrier()  # tmp exists before any rank writes into it
         engine.save_state(os.path.join(tmp, "engine"))
         params = engine.iter_master_params()
         if main:
@@ -130,7 +130,7 @@ def save_checkpoint(directory: str, engine, model_config, trainer_state: dict[st
         fsync_dir(os.path.dirname(directory))
         shutil.rmtree(old, ignore_errors=True)
     if zero is not None:
-        zero.barrier()  # no rank goes on before the checkpoint is in place
+        zero.long_barrier()  # no rank goes on before rank 0 wrote, fsynced and swapped it
     return directory
 
 

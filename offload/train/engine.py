@@ -219,6 +219,8 @@ class Engine:
             rep.comm_wait_s += time.perf_counter() - t0
         self.updates.next_missing = self.grads.missing()
         if self.zero is not None:  # average the gradients across ranks before anything reads them
+            if self.reducer is not None:  # stages 0-1: every block's reduction issued first
+                self.reducer.issue_rest()
             self.updates.next_missing = self.zero.agree_missing(
                 self.param_names, self.updates.next_missing, self._block_of)
             if self.reducer is not None:  # stages 0-1: the blocks not reduced during backward

@@ -25,7 +25,8 @@ from offload.grads.landing import GradLanding
 from offload.memory.mapped import maps_frozen_rest
 from offload.optim.state import NvmeState, ResidentState
 from offload.memory.tiers import (TIERS, BudgetError, PlanBytes, check_fits, device_free_bytes,
-                           disk_free_bytes, host_free_bytes, no_pinning, pinned_bytes)
+                           disk_free_bytes, host_free_bytes, local_ranks, no_pinning,
+                           node_share, pinned_bytes)
 from offload.stream.train import TrainingStreamer
 from offload.zero.group import Shards, env_world
 
@@ -59,28 +60,32 @@ class TrainingPlan:
         is free right now."""
         cfg = self.cfg
         what = f"{self.num_params / 1e6:.1f}M parameters ({cfg.dtype}, offload={cfg.offload!r})"
+        n = local_ranks()  # ranks on this machine share its RAM and disks: each its 1/n (P5)
+        if n > 1:
+            what += f" on each of the {n} ranks of this machine (each plans against 1/{n} of it)"
+        host_free = node_share(host_free_bytes())
         # delayed_update holds a second copy of the weights and gradients: say so first
         delayed = "turn off delayed_update (it doubles weights and gradients), " if cfg.delayed_update else ""
         check_fits("device", self.total("device"), cfg.budget_bytes("device"),
-                   device_free_bytes(self.device), what,
+                   device_free_bytes(self.device) if self.device.type == "cuda" else host_free, what,
                    delayed + "use offload='cpu' or 'nvme' (optimizer state off the device), a "
                    "smaller model, or raise the device budget (--gpu-memory)")
         host_hint = delayed + ("use offload='nvme' to keep optimizer state on disk, or raise the "
                                "host budget (--cpu-memory)" if cfg.offload == "cpu" else
                                "lower buffer_count, or raise the host budget (--cpu-memory)")
-        check_fits("host", self.total("host"), cfg.budget_bytes("host"), host_free_bytes(),
+        check_fits("host", self.total("host"), cfg.budget_bytes("host"), host_free,
                    what, host_hint)
         if self.device.type == "cpu":  # device and host are one RAM: both at once must fit it,
             # and the host budget (--cpu-memory) bounds that RAM whichever tier a byte is in
             check_fits("host", self.total("device") + self.total("host"), cfg.budget_bytes("host"),
-                       host_free_bytes(), what + " (device and host tiers share the CPU's RAM)",
+                       host_free, what + " (device and host tiers share the CPU's RAM)",
                        delayed + ("a smaller model, or raise the host budget (--cpu-memory)"
                                   if cfg.offload == "nvme" else
                                   "use offload='nvme', a smaller model, or raise the host budget "
                                   "(--cpu-memory)"))
         if cfg.offload == "nvme" or cfg.offload_params == "nvme":  # what is written into nvme_dir
             check_fits("nvme", self.total("nvme") - self.nvme_in_place, cfg.budget_bytes("nvme"),
-                       disk_free_bytes(cfg.nvme_dir or "."), what,
+                       node_share(disk_free_bytes(cfg.nvme_dir or ".")), what,
                        f"free disk space under {cfg.nvme_dir} or choose another offload dir")
 
     def format(self) -> str:
@@ -106,6 +111,9 @@ class ActivationEstimate:
     full: int
     input: int
     head: int = 0  # logits and loss outside the blocks
+    # QLoRA: the dense weight a quantized projection dequantizes to compute, one at a time in
+    # forward, recompute and backward (autograd keeps only its codes: review 2 P4)
+    transient: int = 0
 
 
 LOSS_HEAD_FP32_COPIES = 4  # fp32 [b, s, vocab] tensors live when backward starts
@@ -308,7 +316,7 @@ def activation_bytes(est: ActivationEstimate, cfg: OffloadConfig, num_layers: in
     set while it is recomputed, and the head's logits."""
     per_layer = est.input if cfg.activation_checkpointing else est.full
     kept = 0 if cfg.offload_activations else per_layer * num_layers
-    out = {("device", "activations"): kept + est.head + (
+    out = {("device", "activations"): kept + est.head + est.transient + (
         est.full if cfg.activation_checkpointing else 0)}
     if cfg.offload_activations:
         out["host", "activations"] = pin(est.input) * num_layers

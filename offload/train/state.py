@@ -94,7 +94,7 @@ def save_state(parts: Parts, updates: Updates, path: AfterBackward, directory: s
             files[name] = _write_checked(os.path.join(directory, name), tensors, {"block": block.name})
         _write_meta(directory, {**meta, "files": files})
     if zero is not None:
-        zero.barrier()  # nobody goes on before the state is complete
+        zero.long_barrier()  # nobody goes on before rank 0 wrote the whole state
 
 
 def _write_checked(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, int]:
@@ -148,7 +148,7 @@ def _save_shards(parts: Parts, meta: dict[str, Any], pending: bool, directory: s
                    if _nonempty(zero.shards(b.numel).range(r))] for b in parts.blocks]
         _write_meta(directory, {**meta, "shards": {"world": zero.world, "pieces": shards},
                                 "files": {k: v for f in every for k, v in f.items()}})
-    zero.barrier()
+    zero.long_barrier()
 
 
 def _nonempty(rng: tuple[int, int]) -> bool:

@@ -12,7 +12,8 @@ Update and the blocks' buffers; the stepper's own rings are used by one update a
 
 Where a block's new weights go (`_target`):
   direct  the device buffer itself (the device is the CPU, or offload="none");
-  ring    a pinned upload-ring slot, then uploaded on the engine's H2D stream (CUDA);
+  ring    a pinned upload-ring slot, then uploaded on the engine's H2D stream (CUDA; also a
+          stage-3 layer whose home shard is on the device while the CPU steps it);
   host    a streamed block's host buffer (cpu tier): fetched from there next forward;
   nvme    a write-behind ring slot, then the block's weight swap file (nvme tier).
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from offload.gpu import host_event, on_stream, side_stream_delay
+from offload.gpu import compute_stream_delay, host_event, on_stream, side_stream_delay
 from offload.optim.adamw import cpu_adamw_step
 from offload.memory.tiers import host_empty
 from offload.train.counters import TrainingCounters
@@ -180,6 +181,7 @@ def torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: to
                      out16: torch.Tensor | None = None) -> None:
     """torch.optim.AdamW's single-tensor math with plain tensor ops, for state that lives on a
     CUDA device (offload="none"); CPU state uses the fused kernel in offload/optim/adamw.py."""
+    compute_stream_delay(master.device)  # test knob (offload/gpu.py): a late step (review 2 P2)
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale
@@ -296,6 +298,9 @@ class BlockStepper:
             t0 = time.perf_counter()
             # the next forward runs on the compute stream; it must see the new weights
             torch.cuda.current_stream(e.device).wait_stream(e.h2d_stream)
+            shards = getattr(e.streaming, "shards", None)
+            if shards is not None:  # stage 3: the next fetches copy out of the homes just written
+                shards.homes_written(e.device)
             rep.upload_s += time.perf_counter() - t0
         rep.io_wait_s += e.state.io_wait_s - u.io0
 
@@ -307,8 +312,11 @@ class BlockStepper:
         numel = e.blocks[bi].numel
         if bi in e.layer_of:
             target = e.streaming.weight_target(e.layer_of[bi])
-            if target is not None:
+            if target is not None and not (self.upload_ring and target.is_cuda):
                 return target, ("host", -1)
+            if target is not None:  # a device home (stage 3, offload_params="none") and the
+                # CPU kernel: it writes a pinned ring slot, the H2D stream sends it home (review 2 P1)
+                return self._ring_slot(k, numel)
             if not self.weight_ring:  # aligned: O_DIRECT writes go straight out of it
                 from nvme import aligned_empty
                 largest = max(e.blocks[b].numel for b in e.layer_of)
@@ -325,13 +333,23 @@ class BlockStepper:
             # weights that are views of the masters: the step updated them, nothing moves
             kind = "shared" if e.plan.shares_masters and u.weights_out is None else "direct"
             return (u.weights_out or e.weights.flat16)[bi], (kind, -1)
+        return self._ring_slot(k, numel)
+
+    def _ring_slot(self, k: int, numel: int) -> tuple[torch.Tensor, tuple[str, int]]:
+        """Upload-ring slot k (mod its length), once its previous upload has left: a host wait
+        on that one (blocking) event, on the thread that steps."""
         r = k % len(self.upload_ring)
         done = self.upload_done[r]
         if done is not None:
-            # the slot's previous upload must have left before the kernel overwrites it: a host
-            # wait on that one (blocking) event, on the thread that steps
             done.synchronize()
         return self.upload_ring[r][:numel], ("ring", r)
+
+    def _device_weights(self, u: Update, bi: int) -> torch.Tensor:
+        """Block bi's 16-bit weights on the device, where an upload writes them: the live (or
+        shadow) flat buffer, or a stage-3 layer's home shard on the device."""
+        if bi in self.p.layer_of:
+            return self.p.streaming.weight_target(self.p.layer_of[bi])
+        return (u.weights_out or self.p.weights.flat16)[bi]
 
     def _send(self, u: Update, bi: int, out16: torch.Tensor, where: tuple[str, int]) -> None:
         e = self.p
@@ -343,7 +361,7 @@ class BlockStepper:
             nbytes = (hi - lo) * out16.element_size()
             with on_stream(e.h2d_stream):
                 side_stream_delay(e.h2d_stream)  # test knob (offload/gpu.py): a late upload
-                out = (u.weights_out or e.weights.flat16)[bi]
+                out = self._device_weights(u, bi)
                 out[lo:hi].copy_(out16[lo:hi], non_blocking=True)
                 ev = host_event()
                 ev.record(e.h2d_stream)

@@ -53,8 +53,43 @@ import torch.distributed as dist
 from offload.config import ConfigError
 
 ALIGN_ELEMS = 64  # shard boundaries on 64 elements: 128/256-byte aligned in 16/32 bits
-DEFAULT_TIMEOUT_S = 60.0  # a dead peer ends the job within this long, not NCCL's 10-30 min
+NORM_CHUNK_ELEMS = 1 << 22  # global_norm's fp64 cast, a chunk at a time (as grads' fp32_norm)
 STAGES = (0, 1, 2, 3)
+# The default process group's timeout: every collective of an update, where the ranks work in
+# step (a peer that dies usually breaks gloo's connections at once; NCCL waits this long).
+# Where one rank works alone for long -- the QLoRA conversion, stage 0's checkpoint writes and
+# fsync, the export and --merge -- the others wait in a barrier of a gloo group of its own with
+# the long timeout (`long_barrier`): neither a real-size run nor a slow disk aborts the job.
+TIMEOUT_ENV, LONG_TIMEOUT_ENV = "OFFLOAD_DIST_TIMEOUT_S", "OFFLOAD_DIST_LONG_TIMEOUT_S"
+DEFAULT_TIMEOUT_S, DEFAULT_LONG_TIMEOUT_S = 1800.0, 4 * 3600.0
+
+
+def dist_timeouts() -> tuple[float, float]:
+    """(the default group's timeout, the long-work barriers'), seconds: $OFFLOAD_DIST_TIMEOUT_S
+    (default 30 min) and $OFFLOAD_DIST_LONG_TIMEOUT_S (default 4 h, never below the first)."""
+    def read(name: str, default: float) -> float:
+        raw = os.environ.get(name)
+        if not raw:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ConfigError(f"${name}={raw!r}: give the timeout in seconds (> 0), or unset it "
+                              f"(default {default:g})")
+        return value
+    short = read(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+    return short, max(short, read(LONG_TIMEOUT_ENV, DEFAULT_LONG_TIMEOUT_S))
+
+
+def long_work_group():
+    """A gloo group over every rank with the long timeout, for barriers where ranks wait while
+    one works alone (every rank must call it, at the same point: making a group is collective);
+    None under another backend (a test's stand-in: its default group serves)."""
+    if dist.get_backend() not in ("gloo", "nccl"):
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=dist_timeouts()[1]))
 
 
 @dataclass(frozen=True)
@@ -129,9 +164,13 @@ def rank_dir(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank:05d}")
 
 
-def ensure_process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+def ensure_process_group(device: torch.device, timeout_s: float | None = None) -> bool:
     """Use the default process group when one is initialised, or initialise it from torchrun's
-    environment (NCCL on CUDA, gloo on the CPU) when WORLD_SIZE > 1. True when there is one."""
+    environment (NCCL on CUDA, gloo on the CPU) when WORLD_SIZE > 1, with `timeout_s` (default:
+    dist_timeouts()). True when there is one. On CUDA `device` becomes this thread's current
+    device first (review 2 P8: torch puts object collectives on the current device)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if dist.is_available() and dist.is_initialized():
         return True
     _, world, _ = env_world()
@@ -139,6 +178,7 @@ def ensure_process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOU
         return False
     if not dist.is_available():
         raise ConfigError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    timeout_s = dist_timeouts()[0] if timeout_s is None else timeout_s
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
@@ -167,6 +207,7 @@ class ZeroGroup:
                            if dist.get_backend(group) == "nccl" else None)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.long_group = long_work_group() if group is None else None
         self.comm = CommCounter()
         # what stage 3's weight gathers are counted as: set by the engine at each forward, so
         # an evaluation's gathers ("all_gather_eval") are not an update's communication
@@ -220,9 +261,10 @@ class ZeroGroup:
         was not: each rank sums the squares of its shards (`owned`: this rank's [lo, hi) of
         each block's averaged gradient) in fp64, one all-reduce adds them."""
         pair = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for grad in owned:
-            if grad.numel():
-                pair[0] += torch.linalg.vector_norm(grad, dtype=torch.float64).to(self.device) ** 2
+        for grad in owned:  # a chunk at a time: vector_norm(dtype=) casts its whole input first
+            for i in range(0, grad.numel(), NORM_CHUNK_ELEMS):  # (review 2 P12: 8 GB at 8B)
+                part = grad[i:i + NORM_CHUNK_ELEMS]
+                pair[0] += torch.linalg.vector_norm(part, dtype=torch.float64).to(self.device) ** 2
         pair[1] = 0.0 if losses_finite else 1.0
         dist.all_reduce(pair, group=self.group)
         total = pair.cpu()  # the host needs it now (the clip coefficient): one small sync
@@ -273,6 +315,11 @@ class ZeroGroup:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def long_barrier(self) -> None:
+        """A barrier where the ranks wait while one of them works alone (rank 0 writing a
+        stage-0 checkpoint, its fsync): the long timeout, not the default group's (review 2 P3)."""
+        dist.barrier(group=self.long_group or self.group)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's small picklable `obj`, in rank order, on every rank (checkpoint records).
@@ -374,6 +421,7 @@ class BlockReducer(Reductions):
         super().__init__(zero)
         self.buffer, self.numels = buffer, numels
         self.blocks = InOrder(order, self._issue)
+        self._flushed = False
 
     def complete(self, bi: int) -> None:
         """Block bi's gradients are final (any thread that lands gradients)."""
@@ -404,11 +452,23 @@ class BlockReducer(Reductions):
             buf[lo:lo + out.numel()].copy_(out).div_(self.zero.world)
         self.final.add(bi)
 
+    def issue_rest(self) -> None:
+        """At the step, before any other collective: the blocks not started during backward, in
+        order. A block with a slot this rank gave no gradient never completes here, so its
+        reduction and every later one wait for this; a rank that used the slot issued them all
+        in backward. Any collective issued first (the missing-gradient agreement) would pair
+        with another rank's block reduction (review 2 P6)."""
+        self.blocks.flush()
+        self._flushed = True
+
     def finish(self) -> float:
         """At the step (every gradient final, untouched slots zeroed): the blocks not started
-        yet, in order; then wait for all and turn sums into means. Seconds waited."""
+        yet, in order (unless issue_rest() did); then wait for all and turn sums into means.
+        Seconds waited."""
         t0 = time.perf_counter()
-        self.blocks.flush()
+        if not self._flushed:
+            self.blocks.flush()
+        self._flushed = False
         self.complete_all()
         waited = time.perf_counter() - t0
         self.zero.comm.wait_s += waited
@@ -426,6 +486,24 @@ class ShardGather:
     def __init__(self, zero: ZeroGroup):
         self.zero, self.world, self.rank = zero, zero.world, zero.rank
         self.group = dist.new_group(ranks=list(range(zero.world)))  # every rank calls it, once
+        self._homes_written = None  # CUDA event: the last queued write of a device home
+
+    def homes_written(self, device: torch.device) -> None:
+        """The calling thread's current stream has queued writes of this rank's shards on the
+        device (the step's kernels, its uploads joined, a loaded state): every later fetch's copy
+        out of a home waits for them (review 2 P2: the copy stream is otherwise ordered only
+        after the slot's last reader, so it could spread a half-updated shard to every rank).
+        One event per step; nothing on the CPU."""
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._homes_written = event
+
+    def after_home_writes(self, stream) -> None:
+        """Order `stream` (the streamer's copy stream) after the last homes_written()."""
+        event = self._homes_written  # read once: the main thread replaces it at each step
+        if event is not None:
+            stream.wait_event(event)
 
     def padded(self, numel: int) -> int:
         return self.zero.shards(numel).padded
