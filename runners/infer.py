@@ -34,6 +34,7 @@ from offload.infer.plan import (MODES, Links, measure_links, plan_inference, str
                              workspace_bytes)
 from offload.models import kernels, load_streamed
 from offload.models.quantized import load_quantized_streamed, quantized_block_bytes
+from offload.infer.floor import READ_PROBE_SECONDS, memory_read_gbps
 from offload.quant.matmul import kernels_run
 from offload.memory.tiers import device_free_bytes, disk_free_bytes, host_free_bytes
 from offload.data.tokenizer import StreamDecoder, load_tokenizer
@@ -323,8 +324,12 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         streamer.close()
         if model.expert_store is not None:
             model.expert_store.close()
+    memory = None
+    if device.type == "cpu" and args.probe_seconds > 0:  # the memory floor (offload/infer/floor.py)
+        untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+        memory = (memory_read_gbps(min(READ_PROBE_SECONDS, args.probe_seconds)), untied_embedding)
     metrics = run_metrics(results, plan, links, device, len(batches[0]), calls_before,
-                          getattr(model, "expert_store", None))
+                          getattr(model, "expert_store", None), memory)
     print_report(metrics)
     if args.output_json:
         out = {"generated_ids": all_ids, "metrics": metrics, "plan": _plan_json(plan)}

@@ -10,6 +10,7 @@ import torch
 
 from offload import kernel_trust
 from offload.config import format_bytes
+from offload.infer.floor import memory_floor
 from offload.memory.tiers import peak_rss_bytes
 from offload.quant.matmul import kernels_run
 from runners.infer_experts import expert_metrics, expert_report
@@ -17,7 +18,9 @@ from runners.report import kernels_line
 
 
 def run_metrics(results, plan, links, device, batch, calls_before: dict[str, int] | None = None,
-                expert_store=None) -> dict:
+                expert_store=None, memory: tuple[float, int] | None = None) -> dict:
+    """The run's numbers. `memory`: (RAM read GB/s, the embedding table's bytes when it is not
+    the head) for the memory floor of a step on the CPU (offload/infer/floor.py)."""
     calls_before = calls_before or {}
     pre_tok = sum(r.prompt_tokens for r in results)
     pre_s = sum(r.prefill_s for r in results)
@@ -60,6 +63,11 @@ def run_metrics(results, plan, links, device, batch, calls_before: dict[str, int
                                         if n > calls_before.get(k, 0)},
                     "checked": kernel_trust.verdicts()},
     }
+    if memory is not None and steps:
+        # positions a step attends over: the prompt (as padded) plus half the steps, on average
+        mean_pos = sum((r.prompt_tokens / batch + (r.decode_steps + 1) / 2) * r.decode_steps
+                       for r in results) / steps
+        out["memory"] = memory_floor(plan, memory[1], mean_pos, memory[0], step_s)
     if plan.experts is not None:
         out["experts"] = expert_metrics(results, plan.experts, expert_store)
         # the routed experts' reads count in the run's bytes per token
@@ -86,6 +94,8 @@ def print_report(m: dict) -> None:
           f"{m['link_gbps']['h2d']:.2f} GB/s, disk {m['link_gbps']['disk']:.2f} GB/s | floor "
           f"{m['floor_s_per_step']:.3f} s/step, {pct} | compute waited {m['compute_wait_s']:.2f} s",
           file=sys.stderr)
+    if "memory" in m:
+        print(memory_line(m["memory"]), file=sys.stderr)
     print(f"peak memory: device {format_bytes(m['peak_device_bytes'])}, host (RSS) "
           f"{format_bytes(m['peak_host_bytes'])}", file=sys.stderr)
     if "experts" in m:
@@ -93,3 +103,11 @@ def print_report(m: dict) -> None:
     line = kernels_line(m["kernels"])
     if line:
         print(line, file=sys.stderr)
+
+
+def memory_line(f: dict) -> str:
+    """What a decode step read from RAM and how close it came to reading only that."""
+    pct = f"{f['percent_of_floor']:.0f}% of it" if f["percent_of_floor"] is not None else "n/a"
+    return (f"read per step from RAM: {format_bytes(f['read_per_step_bytes'])} (weights "
+            f"{format_bytes(f['weights_per_step_bytes'])}, KV cache {format_bytes(f['kv_per_step_bytes'])})"
+            f" at {f['read_gbps']:.1f} GB/s: memory floor {f['floor_s_per_step']:.4f} s/step, {pct}")

@@ -5,6 +5,7 @@ code 2 for every kind of bad input."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -183,3 +184,31 @@ def test_two_runs_generating_one_preset_into_one_offload_dir_take_turns(tmp_path
         assert child.poll() is None and not (target / "config.json").exists()
     out, err = child.communicate(timeout=120)
     assert child.returncode == 0 and "is writing" in err and (target / "config.json").exists(), err
+
+
+def test_report_gives_the_bytes_a_step_reads_and_the_memory_floor(ckpt, tmp_path, capsys):
+    """On the CPU the report names what a decode step reads from RAM -- every weight but the
+    embedding table (tiny is untied: one row of it per token), plus the KV cache up to the mean
+    position -- and the floor those bytes set at the measured read bandwidth (issue 36)."""
+    from transformers import AutoConfig
+    from safetensors import safe_open
+
+    out = tmp_path / "run.json"
+    prompt = len(IDS.split(","))
+    rc, _, err = _run(["--model", ckpt, "--prompt-ids", IDS, "--max-new-tokens", NEW,
+                       "--output-json", out], capsys)
+    assert rc == 0, err
+    mem = _json(out)["metrics"]["memory"]
+    cfg = AutoConfig.from_pretrained(str(ckpt))
+    assert not cfg.tie_word_embeddings
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:  # fp32 as run
+        every = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    weights = sum(4 * math.prod(shape) for name, shape in every.items() if "embed_tokens" not in name)
+    assert mem["weights_per_step_bytes"] == weights
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    steps = NEW - 1  # the prefill makes the first token
+    assert mem["kv_per_step_bytes"] == pytest.approx(per_position * (prompt + (steps + 1) / 2))
+    assert mem["read_gbps"] > 0 and mem["floor_s_per_step"] == pytest.approx(
+        mem["read_per_step_bytes"] / mem["read_gbps"] / 1e9)
+    assert "read per step from RAM" in err and "memory floor" in err
