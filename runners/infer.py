@@ -33,7 +33,7 @@ from offload.models import (PRESETS, CheckpointReader, ModelConfig, init_paramet
 from offload.infer.plan import (MODES, Links, measure_links, plan_inference, streamer_disk_gbps,
                              workspace_bytes)
 from offload.models import kernels, load_streamed
-from offload.models.quantized import load_quantized_streamed, quantized_block_bytes
+from offload.models.quantized import HEAD_SPEC, head_bytes, load_quantized_streamed, quantized_block_bytes
 from offload.infer.floor import READ_PROBE_SECONDS, memory_read_gbps
 from offload.quant.matmul import kernels_run
 from offload.memory.tiers import device_free_bytes, disk_free_bytes, host_free_bytes
@@ -91,6 +91,9 @@ def build_parser() -> Parser:
                         "as they are")
     p.add_argument("--group-size", type=group_size_arg, default=0, metavar="N|channel",
                    help=GROUP_SIZE_HELP)
+    p.add_argument("--quantize-head", default="int8", choices=["int8", "none"],
+                   help="with --quantize: the vocabulary head (read whole every step) in int8 "
+                        "groups of 32, llama.cpp's Q8_0 (default), or kept in the compute dtype")
     add_expert_args(p)
     p.add_argument("--mode", default="latency", choices=MODES)
     p.add_argument("--kv-cache", default="auto", choices=["auto", "device", "host"],
@@ -281,7 +284,8 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         plan_model_experts(args, cfg, plan, sizes, device, dtype, links, staging)
     block = plan.block_bytes[0] if plan.block_bytes else 0
     kind = (dtype_label(dtype) if quant is None else
-            f"{args.quantize} (projections; the rest {dtype_label(dtype)})")
+            f"{args.quantize} (projections{'; head int8' if _head_spec(args, quant) else ''}; "
+            f"the rest {dtype_label(dtype)})")
     active = f" ({num_active_params(cfg) / 1e9:.2f}B active)" if cfg.num_experts else ""
     print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params{active}, "
           f"{cfg.num_hidden_layers} blocks of {format_bytes(block)} in {kind}) on "
@@ -306,7 +310,8 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         if qblocks is not None:
             model, streamer = load_quantized_streamed(
                 reader, qblocks, plan.residency, device=device, dtype=dtype,
-                nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1), experts=experts)
+                nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1), experts=experts,
+                head=_head_spec(args, quant))
         else:
             model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
                                             nvme_ahead=args.nvme_ahead, experts=experts,
@@ -326,7 +331,9 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
             model.expert_store.close()
     memory = None
     if device.type == "cpu" and args.probe_seconds > 0:  # the memory floor (offload/infer/floor.py)
-        untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+        # the embedding table, unless a step reads it whole as the (dense, tied) head
+        head_is_table = cfg.tie_word_embeddings and _head_spec(args, quant) is None
+        untied_embedding = 0 if head_is_table else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
         memory = (memory_read_gbps(min(READ_PROBE_SECONDS, args.probe_seconds)), untied_embedding)
     metrics = run_metrics(results, plan, links, device, len(batches[0]), calls_before,
                           getattr(model, "expert_store", None), memory)
@@ -337,6 +344,11 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
             out["text"] = texts
         _write_json(args.output_json, out)
     return 0
+
+
+def _head_spec(args, quant):
+    """The quantized head's spec (--quantize with --quantize-head int8), else None."""
+    return HEAD_SPEC if quant is not None and getattr(args, "quantize_head", "none") == "int8" else None
 
 
 def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget, cpu_budget,
@@ -370,6 +382,7 @@ def _plan(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget
     return plan_inference(
         block_bytes=blocks, stored_block_bytes=stored,
         non_block_bytes=(num_params(cfg) - sum(num_block_params(cfg, i) for i in range(L))) * item
+        + head_bytes(cfg, _head_spec(args, quant), dtype)  # a quantized head's codes
         + (args.lora.device_bytes if getattr(args, "lora", None) else 0),  # resident adapters
         batch_size=batch, context=context,
         kv_bytes_per_seq=kv_cache_bytes(cfg, 1, context, dtype),

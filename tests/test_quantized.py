@@ -285,3 +285,45 @@ def test_a_damaged_or_stale_quantized_cache_is_never_computed_with(ckpt, tmp_pat
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(src).st_size == st.st_size
     assert _convert(own, qdir, "int8").key != first.key
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_head_equals_its_dequantized_codes(tmp_path, tied):
+    """--quantize-head int8 (runners.infer's default with --quantize): the head becomes int8
+    codes in groups of 32 made at load; the logits equal a plain model whose head is those codes
+    dequantized (its blocks the dequantized blocks too), the embedding stays dense (a tied
+    table too), and the plan's non-block bytes count the codes."""
+    from offload.models.quantized import HEAD_SPEC, head_bytes
+    from offload.quant.format import packed_bytes
+
+    cfg = CFG.replace(tie_word_embeddings=tied)
+    path = tmp_path / "ckpt"
+    save_pretrained(build_model(cfg, "cpu", torch.float32, source=7), path)
+    settings = QuantSettings("int8")
+    with CheckpointReader(str(path)) as reader:
+        files = sorted({loc.path for loc in reader.locations.values()})
+        blocks = convert_blocks(str(tmp_path / "q"), cache_key(source_identity(files, cfg), settings,
+                                                                torch.float32), cfg,
+                                projection_specs(cfg, settings), torch.float32,
+                                checkpoint_source(reader, torch.float32))
+        model, streamer = load_quantized_streamed(reader, blocks, ["device"] * 4, device="cpu",
+                                                  dtype=torch.float32, head=HEAD_SPEC)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    try:
+        head = model.lm_head
+        assert isinstance(head, QuantLinear) and head.spec == HEAD_SPEC
+        ref = _dense_reference(str(path), blocks)
+        torch.testing.assert_close(model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+        with torch.no_grad():
+            ref.lm_head.weight = torch.nn.Parameter(dequantize(
+                {n: getattr(head, n) for n in head.part_names}, HEAD_SPEC, cfg.hidden_size,
+                torch.float32))
+            assert (ref.lm_head.weight - load_model(str(path)).lm_head.weight).abs().max() > 0
+        with torch.inference_mode():
+            torch.testing.assert_close(model(ids), ref(ids), rtol=1e-5, atol=1e-5)
+    finally:
+        streamer.close()
+    codes = packed_bytes(cfg.vocab_size, cfg.hidden_size, HEAD_SPEC)
+    dense = cfg.vocab_size * cfg.hidden_size * 4
+    assert head_bytes(cfg, HEAD_SPEC, torch.float32) == codes - (0 if tied else dense)
+    assert head_bytes(cfg, None, torch.float32) == 0

@@ -20,8 +20,9 @@ A block file holds its tensors ordered by element size, widest first (fp32/16-bi
 biases, fp16 scales, then the 1-byte codes), so that every tensor starts on a multiple of its
 element size and the whole block can be one uint8 buffer: the block streamer moves it as a
 *byte block* (offload/memory/layout.py) from NVMe or host RAM into a device slot as it is, with
-no conversion on the way, and binds each parameter as a view of its own dtype. Embeddings, the
-final norm and the head stay in the compute dtype.
+no conversion on the way, and binds each parameter as a view of its own dtype. Embeddings and
+the final norm stay in the compute dtype; the head too unless it is quantized at load (`head`:
+runners.infer does, in int8 groups of 32, the Q8_0 llama.cpp keeps heads in).
 
 A GGUF source's Q8_0 tensors (for int8) and Q4_0 / Q4_1 tensors (for int4) are taken as they
 are (`quant_format.from_gguf`: group size 32, the same values exactly), never round-tripped through 16
@@ -366,23 +367,57 @@ def quantize_checkpoint(reader, settings: QuantSettings, dtype: torch.dtype, *,
             g.close()
 
 
+# ---- the vocabulary head ----------------------------------------------------------------------
+# A decode step reads the whole head (vocab x hidden): for SmolLM2 in int4, 113 MB of fp32 head
+# against 58 MB of blocks. llama.cpp keeps it in Q8_0 (or Q6_K); int8 in groups of 32 is Q8_0.
+HEAD_SPEC = QuantSpec(bits=8, group_size=32)
+
+
+def head_bytes(cfg: ModelConfig, spec: QuantSpec | None, dtype: torch.dtype) -> int:
+    """What the head adds to the non-block weights as loaded: with `spec`, its codes -- beside
+    the embedding table a tied head shares, in place of an untied head's dense weight."""
+    if spec is None:
+        return 0
+    dense = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    return packed_bytes(cfg.vocab_size, cfg.hidden_size, spec) - dense
+
+
+def quantize_head(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> None:
+    """model.lm_head becomes a QuantLinear of `spec` on the head's device, its codes made now
+    from the dense head (inference only: it has no gradient). A tied head's embedding stays
+    dense: a step reads one row of it per token."""
+    head = model.lm_head
+    w = head.weight.detach()
+    parts = quantize(w.cpu(), spec)
+    q = QuantLinear(head.in_features, head.out_features, spec, bias=False, dtype=dtype, device=w.device)
+    for name, t in parts.items():
+        getattr(q, name).data.copy_(t)
+    model.lm_head = q
+
+
 def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence[str], *,
                             device: torch.device | str, dtype: torch.dtype, host_ahead: int = 1,
                             nvme_ahead: int = 2, io: IOEngine | None = None,
                             zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
-                            progress: Callable[[int], None] | None = None, experts=None):
+                            progress: Callable[[int], None] | None = None, experts=None,
+                            head: QuantSpec | None = None):
     """(model, attached streamer): non-block weights from `reader` in `dtype` on the device, the
     quantized blocks streamed as byte blocks from `blocks`' files per `residency`; `experts`
     (offload.stream.experts.ExpertPlacement): an MoE model's experts placed one by one, each its
-    quantized bytes (see offload.models.streaming.load_streamed)."""
+    quantized bytes (see offload.models.streaming.load_streamed); `head`: the vocabulary head
+    quantized too (HEAD_SPEC: what runners.infer --quantize does), else dense."""
     from offload.models.llama import build_model, materialize_non_block
     from offload.models.streaming import stream_blocks
 
     model = build_model(reader.config, "meta", dtype)
     quantize_layers(model, blocks.specs, dtype)
-    check_kernels([(m.spec, m.in_features, m.out_features) for m in model.modules()
-                   if isinstance(m, QuantLinear)], dtype, device)
+    cfg = reader.config
+    shapes = [(m.spec, m.in_features, m.out_features) for m in model.modules()
+              if isinstance(m, QuantLinear)]
+    check_kernels(shapes + ([(head, cfg.hidden_size, cfg.vocab_size)] if head else []), dtype, device)
     materialize_non_block(model, device, dtype, reader)
+    if head is not None:
+        quantize_head(model, head, dtype)
     files = [blocks.ranges(i) for i in range(reader.config.num_hidden_layers)]
     return stream_blocks(model, reader, files, residency, torch.uint8, experts, device=device,
                          dtype=torch.uint8, host_ahead=host_ahead, nvme_ahead=nvme_ahead, io=io,
