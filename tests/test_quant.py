@@ -383,12 +383,13 @@ def test_odd_widths_empty_batches_and_autograd():
 
 @pytest.mark.parametrize("spec", [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 64), QuantSpec(4, 32)],
                          ids=lambda sp: f"int{sp.bits}g{sp.group_size}")
-def test_c_rows_kernel_split_over_threads(spec):
-    """The C few-row kernel (offload/quant/cpu.py) on a weight big enough to be split over
-    threads: equal to x @ dequantize(W)^T to float rounding, and the same bits however many
-    threads share the rows; the kernel choice takes it for decode-sized inputs only."""
+def test_c_rows_kernel_split_over_threads(spec, monkeypatch):
+    """The C few-row kernel (offload/quant/cpu.py) split over threads (every size split here):
+    equal to x @ dequantize(W)^T to float rounding, and the same bits however many threads
+    share the rows; the kernel choice takes it for decode-sized inputs only."""
     if quant_cpu.library() is None:
         pytest.skip(f"C kernel unavailable: {quant_cpu.status()}")
+    monkeypatch.setattr(quant_cpu, "SPLIT_MIN_ELEMENTS", {4: 1, 8: 1})
     gen = torch.Generator().manual_seed(spec.bits + spec.group_size)
     out_f, in_f = 1030, 300  # odd sizes: a padded last group, an uneven split
     parts = quantize(torch.randn(out_f, in_f, generator=gen), spec)

@@ -205,6 +205,69 @@ static void q8_one_row(const int8_t *qw, const uint16_t *scales, const float *x,
     }
 }
 
+/* int4, one row, x in its natural column order: no buffer and no permuted copy of x. Per group,
+ * sum(q * x) gathers in two vector partial sums straight from the codes: byte j of a group
+ * holds columns 2j (low nibble) and 2j + 1 (high nibble), so 16 columns of x are loaded and
+ * split into their even and odd lanes in registers. The group's scale multiplies its sum once;
+ * the mins add min * sum(x over the group), those sums taken once per call. (The 8-row tiles
+ * apply scale and min to every element, store and reload it, and take x permuted per group by
+ * the caller: for one row that cost 2-3x the int8 loop.) Groups of a multiple of 16 columns. */
+#if defined(__clang__)
+#define EVENS(a, b) __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14)
+#define ODDS(a, b) __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15)
+#else
+#define EVENS(a, b) __builtin_shuffle(a, b, (v8i){0, 2, 4, 6, 8, 10, 12, 14})
+#define ODDS(a, b) __builtin_shuffle(a, b, (v8i){1, 3, 5, 7, 9, 11, 13, 15})
+#endif
+/* 8 code bytes (16 columns) into the even / odd partial sums: via int32 lanes (see widen_q4) */
+#define Q4_STEP(qp, xp, pe, po)                                                  \
+    do {                                                                         \
+        v8u8 qv_;                                                                \
+        memcpy(&qv_, (qp), sizeof qv_);                                          \
+        const v8i w_ = __builtin_convertvector(qv_, v8i);                        \
+        const v8 x0_ = load8(xp), x1_ = load8((xp) + 8);                         \
+        pe += __builtin_convertvector(w_ & 15, v8) * EVENS(x0_, x1_);            \
+        po += __builtin_convertvector(w_ >> 4, v8) * ODDS(x0_, x1_);             \
+    } while (0)
+#define Q4_ONE_ROW_MAX_GROUPS 4096  /* its per-call group sums live on the stack */
+
+static int q4_one_row(const uint8_t *qw, const uint16_t *scales, const uint16_t *mins,
+                      const float *x, float *y, int64_t padded_in, int64_t gsize,
+                      int64_t o_begin, int64_t o_end)
+{
+    const int64_t groups = padded_in / gsize, half = gsize / 2;
+    if (gsize % 16 || groups > Q4_ONE_ROW_MAX_GROUPS) return 1;
+    float xsum[Q4_ONE_ROW_MAX_GROUPS];
+    for (int64_t g = 0; g < groups; g++) {
+        float t = 0.0f;
+        for (int64_t j = g * gsize; j < (g + 1) * gsize; j++) t += x[j];
+        xsum[g] = t;
+    }
+    for (int64_t o = o_begin; o < o_end; o++) {
+        const uint8_t *q = qw + o * (padded_in / 2);
+        const uint16_t *sc = scales + o * groups, *mn = mins + o * groups;
+        v8 acc = {0};
+        float offset = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *qg = q + g * half;
+            const float *xg = x + g * gsize;
+            /* four independent chains (one waits on its multiply-add's latency), 32 columns a
+             * step; a group of 16 columns (or an odd 16 at the end) takes a half step */
+            v8 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+            int64_t b = 0;
+            for (; b + 16 <= half; b += 16) {
+                Q4_STEP(qg + b, xg + 2 * b, p0, p1);
+                Q4_STEP(qg + b + 8, xg + 2 * b + 16, p2, p3);
+            }
+            if (b < half) Q4_STEP(qg + b, xg + 2 * b, p0, p1);
+            acc += ((p0 + p1) + (p2 + p3)) * half_to_float(sc[g]);
+            offset += half_to_float(mn[g]) * xsum[g];
+        }
+        y[o] = sum8(acc) + offset;
+    }
+    return 0;
+}
+
 #define ROWS_CASE(R)                                                                        \
     case R:                                                                                 \
         for (int64_t o = ob; o < oe; o++)                                                   \
@@ -389,3 +452,14 @@ static int rows_blocked(int bits, const uint8_t *q, const uint16_t *scales, cons
 
 ENTRY_POINTS(, rows_product)
 ENTRY_POINTS(_blocked, rows_blocked)
+
+/* int4, one row of x in natural column order (quant/cpu.py takes it where the group size is a
+ * multiple of 16): 1 when the shape is not one it takes. */
+int offload_q4_row_natural(const uint8_t *qw, const uint16_t *scales, const uint16_t *mins,
+                           const float *x, float *y, int64_t rows, int64_t out_f, int64_t padded_in,
+                           int64_t gsize, int64_t o_begin, int64_t o_end)
+{
+    (void)out_f;
+    if (rows != 1 || gsize < 1 || padded_in % gsize) return 1;
+    return q4_one_row(qw, scales, mins, x, y, padded_in, gsize, o_begin, o_end);
+}

@@ -59,8 +59,9 @@ _pool_threads = 0
 
 
 class _Lib:
-    """The four entry points: int8 (4 pointers) and int4 (5: + mins), each as the 8-row tiles
-    and as the blocked loop, then rows, out, padded in, group, o_begin, o_end."""
+    """The entry points: int8 (4 pointers) and int4 (5: + mins), each as the 8-row tiles and as
+    the blocked loop, and int4's one row with x in natural column order; then rows, out, padded
+    in, group, o_begin, o_end."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -72,6 +73,7 @@ class _Lib:
             return fn
         self.q8, self.q4 = bind("offload_q8_rows", 4), bind("offload_q4_rows", 5)
         self.q8b, self.q4b = bind("offload_q8_rows_blocked", 4), bind("offload_q4_rows_blocked", 5)
+        self.q4n = bind("offload_q4_row_natural", 5)
 
 
 def _self_check(lib: _Lib) -> str | None:
@@ -146,6 +148,13 @@ def rows_product(x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_fea
     return _run(lib, x2d, parts, spec, in_features, threads=torch.get_num_threads())
 
 
+# Multiply-adds per thread below which the C loop runs on the calling thread alone. Measured
+# at one row, 2-core AMD EPYC (AVX-512), 2026-11-28 (1 thread / 2 threads, us): int4 g64
+# 576x192 34/94, 576x576 76/115, 1536x576 158/160, 2048x2048 705/435; int8 g32 576x576 23/84,
+# 1536x576 55/102, 2048x2048 235/192, 8192x2048 957/537. The old rule (split from 512 output
+# rows) handed SmolLM2's 576-row projections to a helper for a loss.
+SPLIT_MIN_ELEMENTS = {4: 1 << 20, 8: 3 << 20}
+Q4_ONE_ROW_MAX_GROUPS = 4096  # quant_gemv.c's: groups of one row its one-row int4 loop takes
 TILE_X_ROWS = 2  # RB in quant_gemv.c: x rows per register tile of the blocked loop
 TILE_OUT_ROWS = 6  # OB there: output rows widened per block
 
@@ -174,11 +183,14 @@ def _run(lib: _Lib, x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_
     scales = parts["scales"].contiguous()
     y = torch.empty(rows, out_f, dtype=torch.float32)  # [rows, out]
     if spec.bits == 4:
-        xg = xp.reshape(rows, ng, g)
-        xin = torch.cat((xg[..., 0::2], xg[..., 1::2]), -1).reshape(rows, p)  # per group [even | odd]
-        xin = _pack_x(xin) if blocked else xin.contiguous()
         mins = parts["mins"].contiguous()
-        fn = lib.q4b if blocked else lib.q4
+        if rows == 1 and not blocked and g % 16 == 0 and ng <= Q4_ONE_ROW_MAX_GROUPS:
+            xin, fn = xp.contiguous(), lib.q4n  # the kernel splits even and odd columns itself
+        else:
+            xg = xp.reshape(rows, ng, g)
+            xin = torch.cat((xg[..., 0::2], xg[..., 1::2]), -1).reshape(rows, p)  # per group [even | odd]
+            xin = _pack_x(xin) if blocked else xin.contiguous()
+            fn = lib.q4b if blocked else lib.q4
 
         def part(a: int, b: int) -> int:
             return fn(qw.data_ptr(), scales.data_ptr(), mins.data_ptr(), xin.data_ptr(),
@@ -190,7 +202,9 @@ def _run(lib: _Lib, x2d: torch.Tensor, parts: dict[str, torch.Tensor], spec, in_
         def part(a: int, b: int) -> int:
             return fn(qw.data_ptr(), scales.data_ptr(), xin.data_ptr(), y.data_ptr(), rows,
                       out_f, p, g, a, b)
-    n = max(1, min(threads, out_f // 256 or 1))  # small weights: the hand-off costs more
+    # Threads only for work that outweighs the hand-off to a helper (~65 us per call measured:
+    # submit, wake, result): one thread below SPLIT_MIN_ELEMENTS[bits] multiply-adds per thread
+    n = max(1, min(threads, rows * out_f * p // SPLIT_MIN_ELEMENTS[spec.bits]))
     step = -(-out_f // n)
     if blocked:  # whole blocks of output rows per thread: a part's last block is a slower edge
         step = -(-step // TILE_OUT_ROWS) * TILE_OUT_ROWS
