@@ -93,7 +93,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         parts = {n: getattr(self, n) for n in self.part_names}
-        return quant_linear(x, parts, self.spec, self.in_features, self.bias)
+        # the parts were made to part_shapes and are only ever rebound to views of those
+        # shapes and dtypes (the streamer's byte blocks): no check per call
+        return quant_linear(x, parts, self.spec, self.in_features, self.bias, checked=True)
 
     def extra_repr(self) -> str:
         g = self.spec.group_size or self.in_features
