@@ -409,3 +409,26 @@ def test_frozen_16bit_projection_backward_on_the_cpu(monkeypatch):
     exact = g[0].double() @ lin.weight.double()
     assert torch.allclose(x.grad.double(), exact, rtol=2 ** -8, atol=1e-6)
     assert lin.weight.grad is None and y.grad_fn is not None
+
+
+def test_a_noisy_first_measurement_does_not_pin_a_slower_kernel(monkeypatch) -> None:
+    """Issue 36: the few-row kernel is measured again at its RECHECK_AT_USE-th use; a choice the
+    second measurement does not confirm falls back to F.linear, one it confirms stays."""
+    from offload.models import kernels
+    from offload.models.llama import project
+    monkeypatch.delenv("OFFLOAD_FEW_ROWS_KERNEL", raising=False)
+    monkeypatch.setattr(kernels, "RECHECK_AT_USE", 5)
+    kernels.reset()
+    verdicts = {2: iter([0.5, 1.2]), 3: iter([0.5, 0.6])}  # transposed's time vs linear's 1.0
+    monkeypatch.setattr(kernels, "measure", lambda w, x, names: {
+        "linear": 1.0, "transposed": next(verdicts[x.shape[0]])})
+    layer = torch.nn.Linear(1024, 512, bias=False)  # 2 MiB: measured
+    seen = {2: [], 3: []}
+    with torch.inference_mode():
+        for _ in range(7):
+            for rows in (2, 3):
+                project(layer, torch.randn(rows, 1, 1024))
+                seen[rows].append(kernels.choices()[(512, 1024, rows)]["kernel"])
+    assert seen[2] == ["transposed"] * 4 + ["linear"] * 3  # the recheck disagreed: F.linear
+    assert seen[3] == ["transposed"] * 7  # confirmed
+    kernels.reset()

@@ -7,7 +7,8 @@ depends on the CPU and its BLAS: on this project's 2-core AMD EPYC the transpose
 1.3-2.5x faster for 2-7 rows and 1.0-1.6x for 8-32 (docs/benchmarks/infer.md), while on a
 2-core Intel Xeon with AVX-512 it was ~2x *slower* at 2 rows (issue 16). No fixed row threshold
 holds on both, so the first time a (out, in, rows) shape is projected in inference, both forms
-are timed on that very weight and input, alternately, and the faster is kept for the process.
+are timed on that very weight and input, alternately, and the faster is kept for the process
+-- if a second measurement at the shape's RECHECK_AT_USE-th use agrees.
 
 One row (batch-1 decode) is a matrix-vector product, which this BLAS runs on one core however
 many it has: measured, 17.7 ms for a [32768, 2048] fp32 weight with 1 or 2 threads, where two
@@ -45,9 +46,15 @@ MIN_RATIO = 0.95  # transposed must take <= 95% of F.linear's time to be chosen
 PROBE_REPEATS = 3  # timed calls of each form, alternating; the fastest of each is compared
 EVICT_BYTES = 64 << 20  # read before each timed call: twice the largest L3 of the CPUs measured
 MIN_MEASURED_BYTES = 1 << 20  # smaller weights keep F.linear unmeasured
+# A shape is measured again at its RECHECK_AT_USE-th use, inside the run: a choice made while
+# something else held a core (a start-up under load; measured: a 2-thread product of a few rows
+# stalls 5-15 ms when the other core is busy) is kept only if the second measurement agrees,
+# else F.linear, the kernel transformers runs. So a noisy start cannot pin a slower kernel.
+RECHECK_AT_USE = 64
 
 _choice: dict[tuple[int, int, int], str] = {}  # (out, in, rows) -> kernel name
 _timings: dict[tuple[int, int, int], dict[str, float]] = {}  # -> {kernel: best seconds}
+_uses: dict[tuple[int, int, int], int] = {}  # -> calls so far, until the recheck
 _lock = threading.Lock()  # held while a shape is measured
 
 
@@ -87,16 +94,28 @@ def kernel_for(weight: torch.Tensor, x2d: torch.Tensor) -> str:
         return "linear"  # microseconds either way: not worth a measurement
     key = (weight.shape[0], weight.shape[1], rows)
     hit = _choice.get(key)
-    if hit is None:
-        with _lock:  # one measurement per shape, even with several generating threads
+    if hit is None or key in _uses:
+        with _lock:  # one measurement per shape at a time, even with several generating threads
             hit = _choice.get(key)
             if hit is None:
-                names = candidates(rows)
-                times = measure(weight, x2d, names) if len(names) > 1 else {"linear": 0.0}
-                _timings[key] = times
-                best = min(times, key=times.get)
-                hit = _choice[key] = best if times[best] <= MIN_RATIO * times["linear"] else "linear"
+                hit = _choice[key] = _measured_choice(key, weight, x2d)
+                _uses[key] = 1
+            elif key in _uses:
+                _uses[key] += 1
+                if _uses[key] >= RECHECK_AT_USE:  # the second opinion (see RECHECK_AT_USE)
+                    del _uses[key]
+                    if _measured_choice(key, weight, x2d) != hit:
+                        hit = _choice[key] = "linear"
     return hit
+
+
+def _measured_choice(key: tuple[int, int, int], weight: torch.Tensor, x2d: torch.Tensor) -> str:
+    """The kernel that measured fastest for this shape by the margin, else F.linear."""
+    names = candidates(x2d.shape[0])
+    times = measure(weight, x2d, names) if len(names) > 1 else {"linear": 0.0}
+    _timings[key] = times
+    best = min(times, key=times.get)
+    return best if times[best] <= MIN_RATIO * times["linear"] else "linear"
 
 
 def run(kernel: str, weight: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
@@ -176,3 +195,4 @@ def reset() -> None:
     with _lock:
         _choice.clear()
         _timings.clear()
+        _uses.clear()
