@@ -91,7 +91,7 @@ MIN_ITEM_S = 15.0
 # both off, and both on) and leave out the tests that start runner subprocesses or measure peak
 # memory: they add time, not stream orderings the in-process tests do not already cover.
 QUICK = {"OFFLOAD_CUDA_QUICK": "1"}
-QUICK_K = ["-k", "not cli and not peak_device and not defaults_to_bf16"]
+QUICK_K = ["-k", "not cli and not peak_device and not defaults_to_bf16 and not speed"]
 TEST_RUNS = (("plain", {}, []),
              ("sanitizer", {"TORCH_CUDA_SANITIZER": "1", **QUICK}, QUICK_K),
              ("delays", {"OFFLOAD_CUDA_SIDE_DELAY_CYCLES": "2000000", "OFFLOAD_CUDA_HOST_DELAY_S": "0.002",

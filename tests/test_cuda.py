@@ -97,6 +97,16 @@ def tiny_llama():
     return build_model(preset("tiny"), device="cpu", source=0)
 
 
+def device_memory_mark() -> tuple[int, int, int]:
+    """(allocated, reserved, allocator retries so far) on DEV, after a sync, an emptied cache and
+    a reset peak: what a peak-memory test measures from."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(DEV)
+    return (torch.cuda.memory_allocated(DEV), torch.cuda.memory_reserved(DEV),
+            torch.cuda.memory_stats(DEV).get("num_alloc_retries", 0))
+
+
 def cfg_for(tmp_path, **kw) -> OffloadConfig:
     base = dict(offload="cpu", dtype="fp32", device=str(DEV), lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
                 weight_decay=0.01, nvme_dir=str(tmp_path / "swap"))
@@ -340,12 +350,7 @@ def test_training_peak_device_memory_within_the_plan(kw, tmp_path):
     micro, seq = 4, 64
     batches = [torch.randint(0, 1024, (micro, seq), device=DEV) for _ in range(4)]
     cfg = cfg_for(tmp_path, dtype="bf16", **kw)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(DEV)
-    base_alloc = torch.cuda.memory_allocated(DEV)
-    base_reserved = torch.cuda.memory_reserved(DEV)
-    retries0 = torch.cuda.memory_stats(DEV).get("num_alloc_retries", 0)
+    base_alloc, base_reserved, retries0 = device_memory_mark()
     engine = offload.initialize(model, cfg)
     blocks = [(b.numel, b.module is not None) for b in engine.blocks]
     acts = llama_activation_estimate(model.config, micro, seq, torch.bfloat16)  # hf_loss: all seq
