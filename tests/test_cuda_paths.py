@@ -150,18 +150,6 @@ def tiny_ckpt(tmp_path_factory) -> str:
     return str(path)
 
 
-def _convert(ckpt: str, qdir: str, mode: str, dtype: torch.dtype):
-    """tests/test_quantized.py's _convert in `dtype` (the blocks keep their norms in it)."""
-    from offload.models.quantized import (QuantSettings, cache_key, checkpoint_source,
-                                          convert_blocks, projection_specs, source_identity)
-    settings = QuantSettings(mode, 0)
-    with CheckpointReader(ckpt) as reader:
-        files = sorted({loc.path for loc in reader.locations.values()})
-        key = cache_key(source_identity(files, CFG), settings, dtype)
-        return convert_blocks(qdir, key, CFG, projection_specs(CFG, settings), dtype,
-                              checkpoint_source(reader, dtype))
-
-
 @pytest.mark.parametrize("where", ["device", "cpu"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_blocks_on_the_device_equal_their_dequantized_weights(tiny_ckpt, tmp_path,
@@ -174,12 +162,12 @@ def test_quantized_blocks_on_the_device_equal_their_dequantized_weights(tiny_ckp
     2^-4 of it. On CUDA the chunked kernel is the one that ran (review 2 P9's product)."""
     from offload.models.quantized import load_quantized_streamed
     from offload.quant.matmul import kernels_run
-    from tests.test_quantized import _dense_reference
+    from tests.test_quantized import _convert, _dense_reference
 
     ids = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEV)
     got, want, truth = {}, {}, {}
     for dtype in (torch.float32, torch.bfloat16):
-        blocks = _convert(tiny_ckpt, str(tmp_path / f"q-{dtype}"), mode, dtype)
+        blocks = _convert(tiny_ckpt, str(tmp_path / f"q-{dtype}"), mode, dtype=dtype)
         ref = _dense_reference(tiny_ckpt, blocks).to(DEV)
         with torch.inference_mode():
             truth[dtype] = ref(ids)  # fp32

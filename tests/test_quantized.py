@@ -41,13 +41,15 @@ def ckpt(tmp_path_factory):
     return str(path)
 
 
-def _convert(ckpt: str, qdir: str, mode: str, group: int = 0):
+def _convert(ckpt: str, qdir: str, mode: str, group: int = 0, dtype: torch.dtype = torch.float32,
+             cfg=CFG):
+    """The blocks of checkpoint `ckpt` (config `cfg`) quantized into `qdir`, their norms in `dtype`."""
     settings = QuantSettings(mode, group)
     with CheckpointReader(ckpt) as reader:
         files = sorted({loc.path for loc in reader.locations.values()})
-        key = cache_key(source_identity(files, CFG), settings, torch.float32)
-        specs = projection_specs(CFG, settings)
-        return convert_blocks(qdir, key, CFG, specs, torch.float32, checkpoint_source(reader, torch.float32))
+        key = cache_key(source_identity(files, cfg), settings, dtype)
+        specs = projection_specs(cfg, settings)
+        return convert_blocks(qdir, key, cfg, specs, dtype, checkpoint_source(reader, dtype))
 
 
 def _dense_reference(ckpt: str, blocks) -> torch.nn.Module:
@@ -299,13 +301,8 @@ def test_quantized_head_equals_its_dequantized_codes(tmp_path, tied):
     cfg = CFG.replace(tie_word_embeddings=tied)
     path = tmp_path / "ckpt"
     save_pretrained(build_model(cfg, "cpu", torch.float32, source=7), path)
-    settings = QuantSettings("int8")
+    blocks = _convert(str(path), str(tmp_path / "q"), "int8", cfg=cfg)
     with CheckpointReader(str(path)) as reader:
-        files = sorted({loc.path for loc in reader.locations.values()})
-        blocks = convert_blocks(str(tmp_path / "q"), cache_key(source_identity(files, cfg), settings,
-                                                                torch.float32), cfg,
-                                projection_specs(cfg, settings), torch.float32,
-                                checkpoint_source(reader, torch.float32))
         model, streamer = load_quantized_streamed(reader, blocks, ["device"] * 4, device="cpu",
                                                   dtype=torch.float32, head=HEAD_SPEC)
     ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
