@@ -245,15 +245,8 @@ def _batches(args, tokenizer, cfg: ModelConfig) -> tuple[list[list[list[int]]], 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_flags(args)
-    device, dtype = _device_and_dtype(args)
-    gpu_budget, cpu_budget = check_budget_flags(args, device)
+    device, dtype, gpu_budget, cpu_budget, cfg, path, is_random, tokenizer = setup(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    cfg, path, is_random = resolve_model(args, dtype)
-    check_expert_flags(args, cfg)  # before anything is generated or loaded
-    args.lora = check_adapter(args.adapter, cfg)  # before anything is loaded (runners/infer_lora.py)
-    tokenizer = None if is_random else load_tokenizer(path)
-    check_tokenizer(tokenizer, cfg, path)
-    args.template_vars = chat_template_vars(args, tokenizer)
     if args.interactive:
         check_interactive(args, tokenizer, cfg)
     batches, context = _batches(args, tokenizer, cfg)
@@ -262,8 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"in {path}. This measures speed, not text.", file=sys.stderr)
         if not args.dry_run:
             random_checkpoint(cfg, path, args.init_seed, dtype)
-    ready = path is not None and os.path.isfile(os.path.join(path, "config.json"))
-    reader = CheckpointReader(path) if ready else None
+    reader = open_reader(path)
     try:
         quant = quant_source(args, cfg)
         return _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget,
@@ -273,30 +265,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             reader.close()
 
 
+def setup(args):
+    """Device, dtype, budgets, the model (config, path, random?) and its tokenizer, with every
+    flag checked before anything is generated or loaded (runners.serve starts the same way)."""
+    device, dtype = _device_and_dtype(args)
+    gpu_budget, cpu_budget = check_budget_flags(args, device)
+    cfg, path, is_random = resolve_model(args, dtype)
+    check_expert_flags(args, cfg)  # before anything is generated or loaded
+    args.lora = check_adapter(args.adapter, cfg)  # before anything is loaded (runners/infer_lora.py)
+    tokenizer = None if is_random else load_tokenizer(path)
+    check_tokenizer(tokenizer, cfg, path)
+    args.template_vars = chat_template_vars(args, tokenizer)
+    return device, dtype, gpu_budget, cpu_budget, cfg, path, is_random, tokenizer
+
+
+def open_reader(path: str | None) -> CheckpointReader | None:
+    ready = path is not None and os.path.isfile(os.path.join(path, "config.json"))
+    return CheckpointReader(path) if ready else None
+
+
 def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budget, cpu_budget,
          sampling, quant=None) -> int:
-    plan, sizes, staging = _plan(args, cfg, reader, len(batches[0]), context, device, dtype,
-                                 gpu_budget, cpu_budget, quant)
-    qblocks = (convert_quantized(args, cfg, reader, dtype, quant)
-               if quant is not None and reader is not None and not args.dry_run else None)
-    links, measured = _probe_links(args, cfg, reader, plan, device, qblocks)
-    if sizes is not None:  # an MoE model: its experts in what the dense parts left
-        plan_model_experts(args, cfg, plan, sizes, device, dtype, links, staging)
-    block = plan.block_bytes[0] if plan.block_bytes else 0
-    kind = (dtype_label(dtype) if quant is None else
-            f"{args.quantize} (projections{'; head int8' if _head_spec(args, quant) else ''}; "
-            f"the rest {dtype_label(dtype)})")
-    active = f" ({num_active_params(cfg) / 1e9:.2f}B active)" if cfg.num_experts else ""
-    print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params{active}, "
-          f"{cfg.num_hidden_layers} blocks of {format_bytes(block)} in {kind}) on "
-          f"{device}", file=sys.stderr)
-    print(plan.describe(links if measured else None), file=sys.stderr)
-    if getattr(args, "planned_gpu", False):
-        print("  floor:  unknown (planned for a GPU that is not here: run on the machine to "
-              "measure its host->device and disk links)", file=sys.stderr)
-    elif not measured:
-        print("  floor:  unknown (disk bandwidth not measured: no checkpoint files to read yet)",
-              file=sys.stderr)
+    plan, links, measured, qblocks = plan_and_print(args, cfg, reader, len(batches[0]), context, device,
+                                                    dtype, gpu_budget, cpu_budget, quant)
     if args.interactive and plan.kv_tier == "host":
         raise RunnerError("--interactive keeps the conversation's KV cache on the device; "
                           "--kv-cache host is for batches (drop it, or lower --max-context)")
@@ -304,19 +295,7 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
         if args.output_json:
             _write_json(args.output_json, {"plan": _plan_json(plan)})
         return 0
-    with tqdm(total=cfg.num_hidden_layers, desc="loading blocks", unit="block",
-              file=sys.stderr) as bar:
-        experts = plan.experts.placement() if plan.experts is not None else None
-        if qblocks is not None:
-            model, streamer = load_quantized_streamed(
-                reader, qblocks, plan.residency, device=device, dtype=dtype,
-                nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1), experts=experts,
-                head=_head_spec(args, quant))
-        else:
-            model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
-                                            nvme_ahead=args.nvme_ahead, experts=experts,
-                                            progress=lambda i: bar.update(1))
-    attach_adapter(model, args.lora)
+    model, streamer = load_model(args, cfg, reader, plan, qblocks, device, dtype, quant)
     stop = [] if args.ignore_eos else _stop_ids(cfg, tokenizer)
     calls_before = kernels_run()  # this run's quantized products, in the report
     try:
@@ -344,6 +323,53 @@ def _run(args, cfg, reader, tokenizer, batches, context, device, dtype, gpu_budg
             out["text"] = texts
         _write_json(args.output_json, out)
     return 0
+
+
+def plan_and_print(args, cfg, reader, batch: int, context: int, device, dtype, gpu_budget, cpu_budget,
+                   quant=None):
+    """Plan the placement for `batch` sequences of `context` positions and print it with the
+    floor: (plan, links, whether the disk was measured, the quantized blocks or None)."""
+    plan, sizes, staging = _plan(args, cfg, reader, batch, context, device, dtype, gpu_budget,
+                                 cpu_budget, quant)
+    qblocks = (convert_quantized(args, cfg, reader, dtype, quant)
+               if quant is not None and reader is not None and not args.dry_run else None)
+    links, measured = _probe_links(args, cfg, reader, plan, device, qblocks)
+    if sizes is not None:  # an MoE model: its experts in what the dense parts left
+        plan_model_experts(args, cfg, plan, sizes, device, dtype, links, staging)
+    block = plan.block_bytes[0] if plan.block_bytes else 0
+    kind = (dtype_label(dtype) if quant is None else
+            f"{args.quantize} (projections{'; head int8' if _head_spec(args, quant) else ''}; "
+            f"the rest {dtype_label(dtype)})")
+    active = f" ({num_active_params(cfg) / 1e9:.2f}B active)" if cfg.num_experts else ""
+    print(f"model: {args.model} ({cfg.architecture}, {num_params(cfg) / 1e9:.2f}B params{active}, "
+          f"{cfg.num_hidden_layers} blocks of {format_bytes(block)} in {kind}) on "
+          f"{device}", file=sys.stderr)
+    print(plan.describe(links if measured else None), file=sys.stderr)
+    if getattr(args, "planned_gpu", False):
+        print("  floor:  unknown (planned for a GPU that is not here: run on the machine to "
+              "measure its host->device and disk links)", file=sys.stderr)
+    elif not measured:
+        print("  floor:  unknown (disk bandwidth not measured: no checkpoint files to read yet)",
+              file=sys.stderr)
+    return plan, links, measured, qblocks
+
+
+def load_model(args, cfg, reader, plan, qblocks, device, dtype, quant):
+    """(model, streamer) placed as `plan` says, the adapter attached."""
+    with tqdm(total=cfg.num_hidden_layers, desc="loading blocks", unit="block",
+              file=sys.stderr) as bar:
+        experts = plan.experts.placement() if plan.experts is not None else None
+        if qblocks is not None:
+            model, streamer = load_quantized_streamed(
+                reader, qblocks, plan.residency, device=device, dtype=dtype,
+                nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1), experts=experts,
+                head=_head_spec(args, quant))
+        else:
+            model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
+                                            nvme_ahead=args.nvme_ahead, experts=experts,
+                                            progress=lambda i: bar.update(1))
+    attach_adapter(model, args.lora)
+    return model, streamer
 
 
 def _head_spec(args, quant):
