@@ -387,7 +387,6 @@ def test_preset_plans_in_a_dry_run(tmp_path, capsys):
 
 # ---- refusals -----------------------------------------------------------------------------------
 REFUSALS = [  # (change to the case's config.json, words the one-line refusal must hold)
-    ({"output_router_logits": True}, "output_router_logits"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config 'gptq'"),
     ({"swiglu_limit": None}, "need swiglu_limit and swiglu_alpha"),
     ({"swiglu_alpha": -1.0}, "swiglu_alpha must be null or a finite number > 0"),

@@ -275,7 +275,6 @@ REFUSALS = [  # (case, change to its config.json, words the one-line refusal mus
     ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step 2"),
     ("qwen3_moe", {"num_experts": 6, "num_local_experts": 8}, "disagree"),
-    ("olmoe", {"output_router_logits": True}, "output_router_logits"),
     ("olmoe", {"num_experts": 0}, "num_experts must be a positive integer"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("olmoe", {"head_dim": 32}, "head_dim must be hidden_size / num_attention_heads"),

@@ -97,8 +97,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # an expert's width (0: intermediate_size)
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     moe_router: str = "softmax_topk"  # one of ROUTERS (families.py)
-    # training's load-balancing loss coefficient: not built, carried through config.json
+    # training's load-balancing loss (transformers' load_balancing_loss_func, added x coef to the
+    # loss when output_router_logits: offload/models/router_loss.py); DeepSeek-V3 refuses it
     router_aux_loss_coef: float | None = None
+    output_router_logits: bool = False
     # ---- gpt-oss ----------------------------------------------------------------------------
     attention_sinks: bool = False  # a learned logit per head (`self_attn.sinks`) joins each softmax
     # gpt-oss's experts (not None): clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g = gate

@@ -291,9 +291,9 @@ def _refuse_unsupported(hf: Mapping[str, Any], arch: str) -> None:
 def _refuse_unsupported_moe(hf: Mapping[str, Any], arch: str) -> None:
     """What an MoE config.json may ask for that is not built (training's router options,
     Qwen3-MoE's dense layers between sparse ones), and spellings that disagree."""
-    if hf.get("output_router_logits"):
-        raise ConfigError("output_router_logits = true: the router's auxiliary loss (training) is "
-                          "not implemented; set it to false (the released checkpoints do)")
+    if hf.get("output_router_logits") and arch == DEEPSEEK:
+        raise ConfigError("output_router_logits = true: transformers' DeepSeek-V3 has no auxiliary "
+                          "loss (its balance is the routers' correction bias); set it to false")
     jitter = hf.get("router_jitter_noise") or 0.0
     if jitter != 0.0:
         raise ConfigError(f"router_jitter_noise = {jitter!r}: the router's training noise is not "
@@ -359,7 +359,7 @@ def _moe_fields(hf: Mapping[str, Any], d: Mapping[str, Any], arch: str) -> dict[
         num_experts_per_tok=d["num_experts_per_tok"],
         moe_intermediate_size=(d.get("moe_intermediate_size") if arch == "Qwen3MoeForCausalLM"
                                else d["intermediate_size"]),
-        router_aux_loss_coef=d.get("router_aux_loss_coef"))
+        router_aux_loss_coef=d.get("router_aux_loss_coef"), output_router_logits=bool(hf.get("output_router_logits")))
     if arch not in ("MixtralForCausalLM", GPT_OSS):
         fields["norm_topk_prob"] = bool(d.get("norm_topk_prob", False))
     if arch == DEEPSEEK:
@@ -576,7 +576,7 @@ def _moe_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
     """The MoE keys as transformers 5 writes them (Qwen3-MoE's expert count under both names:
     transformers 5 writes num_local_experts, 4.x reads num_experts)."""
     arch = cfg.architecture
-    out.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=False)
+    out.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=cfg.output_router_logits)
     if arch == DEEPSEEK:  # no aux-loss coefficient: its balance is the correction bias
         out.update({k: getattr(cfg, k) for k in (*_DEEPSEEK_KEYS, "q_lora_rank", "rope_interleave",
                                                  "moe_intermediate_size", "norm_topk_prob")})

@@ -148,7 +148,11 @@ def route_groups(router: GroupRouter, x: torch.Tensor, top_k: int, groups: int, 
 class SparseMoE(nn.Module):
     """The router and the experts of one layer (see the module docstring for the order of
     operations, which is transformers'); DeepSeek-V3's shared experts (`shared_experts`, a
-    SwiGLU MLP of moe_intermediate_size x n_shared_experts) added to the routed output."""
+    SwiGLU MLP of moe_intermediate_size x n_shared_experts) added to the routed output.
+    `untouched_experts`: "step" (an expert without tokens is stepped with a zero gradient, as
+    torch steps transformers 5's fused expert tensors) or "skip" (no gradient, torch's
+    semantics for one module per expert): offload/train/experts.py."""
+    untouched_experts = "step"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -169,16 +173,22 @@ class SparseMoE(nn.Module):
         self.groups = ((cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
                        if cfg.moe_router == "sigmoid_group_topk" else None)
         self.store, self.layer_index = None, -1  # see use_store
+        self.record_logits = None  # called with the router's logits: offload/models/router_loss.py
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (routing weights [N, k], expert ids [N, k])."""
         # F.linear, not `project`: a kernel rounding differently could change which experts run
         if self.topk_first:  # gpt-oss: top-k of the biased logits, softmax over those k values
-            top, ids = torch.topk(F.linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
+            logits = F.linear(x, self.router.weight, self.router.bias)
+            if self.record_logits is not None:
+                self.record_logits(logits)
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), ids
         if self.groups is not None:  # DeepSeek-V3: weights kept in fp32, as transformers keeps them
             return route_groups(self.gate, x, self.top_k, *self.groups[:2], self.norm_topk_prob, self.groups[2])
         logits = F.linear(x, self.gate.weight)  # [N, E] in the compute dtype
+        if self.record_logits is not None:  # training's load-balancing loss (router_loss.py)
+            self.record_logits(logits)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

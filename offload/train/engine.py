@@ -32,6 +32,7 @@ from offload.train import build, state as engine_state
 from offload.train.counters import TrainingCounters
 from offload.train.delayed import Delayed
 from offload.train.errors import NonFiniteError, StateError
+from offload.train.experts import drop_stepped, zero_gradient_slots
 from offload.train.parts import Parts
 from offload.train.paths import AfterBackward, Overlapped
 from offload.train.stepper import BlockStepper, StepReport, Updates
@@ -87,6 +88,7 @@ class Engine:
         self.parts: Parts = build.build(grouping, self.plan, source)
         self.param_names = [s.name for b in self.blocks for s in b.slots]
         self._block_of = {s.name: bi for bi, b in enumerate(self.blocks) for s in b.slots}
+        self._zero_stepped = zero_gradient_slots(model) & set(self.param_names)
         # steps, micro-steps, loss-scale state and skips: one value, saved whole (counters.py)
         self.counters = TrainingCounters.start(cfg)
         # what begins each update: counters, lr, the window's losses and missing slots
@@ -217,7 +219,8 @@ class Engine:
         self.grads.finish_window()
         if self.grads.sharded:  # stage 2-3: waiting for the window's last reductions
             rep.comm_wait_s += time.perf_counter() - t0
-        self.updates.next_missing = self.grads.missing()
+        # experts without tokens that a fused layout steps with zeros (offload/train/experts.py)
+        self.updates.next_missing = drop_stepped(self.grads.missing(), self._zero_stepped)
         if self.zero is not None:  # average the gradients across ranks before anything reads them
             if self.reducer is not None:  # stages 0-1: every block's reduction issued first
                 self.reducer.issue_rest()
@@ -249,6 +252,15 @@ class Engine:
             rep.bytes.update({k: v - self._comm_mark.get(k, 0) for k, v in sent.items()})
             self._comm_mark = sent
         self.last_report = rep
+
+    def apply_window(self) -> bool:
+        """step() at the end of an accumulation window of any length: the torch.optim protocol
+        (offload/train/torch_optim.py), where autograd's loss.backward() lands the gradients
+        and the caller's loop decides how many backward passes make one update."""
+        accum = self.cfg.grad_accum_steps
+        self.micro_step += accum - 1 - self.micro_step % accum
+        self._backward_done = True
+        return self.step()
 
     # -- inspection -------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
