@@ -8,7 +8,8 @@
 
 from offload.config import ConfigError, OffloadConfig, from_deepspeed, load_config_file
 from offload.train.engine import Engine, StepReport, initialize
+from offload.train.torch_optim import OffloadAdamW
 from offload.memory.tiers import BudgetError
 
 __all__ = ["OffloadConfig", "ConfigError", "BudgetError", "Engine", "StepReport", "initialize",
-           "from_deepspeed", "load_config_file"]
+           "from_deepspeed", "load_config_file", "OffloadAdamW"]

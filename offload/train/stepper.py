@@ -78,6 +78,9 @@ class Update:
     # path begins before it and fills this in then)
     missing: dict[int, set[str]] = field(default_factory=dict)
     weights_out: list[torch.Tensor] | None = None  # None: the live device buffers (flat16)
+    # slot name -> (lr, weight_decay) where a parameter group differs from (lr,
+    # cfg.weight_decay): torch.optim's per-group values (offload/train/torch_optim.py)
+    hyper: dict[str, tuple[float, float]] = field(default_factory=dict)
     stepped: set[int] = field(default_factory=set)
     k: int = 0  # blocks stepped so far: rotates the rings
 
@@ -95,6 +98,11 @@ class Updates:
         self.current: Update | None = None  # the update being applied, from begin() on
         self.next_missing: dict[int, set[str]] = {}
         self.loss_finite: list[torch.Tensor] = []  # 0-d bools of this window's losses
+        # per-slot (lr, weight_decay) for the next update (Update.hyper); {}: every slot the same
+        self.hyper: dict[str, tuple[float, float]] = {}
+        # max gradient norm of this window asked by the caller (clip_grad_norm_ through
+        # offload/train/torch_optim.py); None: cfg.grad_clip
+        self.window_clip: float | None = None
         # the order clip_grad_norm_ would see the parameters in: model.parameters() order
         order = {name: i for i, (name, _) in enumerate(parts.module.named_parameters())}
         self.norm_order = sorted((s.name for b in parts.blocks for s in b.slots),
@@ -129,15 +137,16 @@ class Updates:
             counters.on_nonfinite(cfg)
             return None, float(total)
         counters.on_applied(cfg)
-        if not (cfg.grad_clip > 0 or fp16):
+        clip = cfg.grad_clip if self.window_clip is None else self.window_clip
+        if not (clip > 0 or fp16):
             return 1.0, float(total)
         inv_scale = 1.0 / counters.loss_scale
         if inv_scale != 1.0:
             total = total * inv_scale
-        if cfg.grad_clip <= 0:
+        if clip <= 0:
             return inv_scale, float(total)
         # exactly clip_grad_norm_'s arithmetic: fp32 tensors, 1e-6 guard, clamp at 1
-        coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
+        coef = torch.clamp(clip / (total + 1e-6), max=1.0)
         return float(coef) * inv_scale if inv_scale != 1.0 else float(coef), float(total)
 
     def _owned_grads(self) -> list[torch.Tensor]:
@@ -155,7 +164,8 @@ class Updates:
         p = self.parts
         self.counters.global_step += 1
         self.current = Update(step=self.counters.global_step, lr=self.lr, grad_scale=grad_scale,
-                              io0=p.state.io_wait_s, missing=self.take_missing())
+                              io0=p.state.io_wait_s, missing=self.take_missing(),
+                              hyper=self.hyper)
         if p.cuda:
             # the H2D stream overwrites device weights that backward's kernels may still be
             # reading: order it after everything issued so far on the compute stream
@@ -239,7 +249,7 @@ class BlockStepper:
         for unit, lo, hi in e.state.units_of(bi):  # sub-groups of a large block, in order
             master, exp_avg, exp_avg_sq = e.state.acquire(unit)
             t0 = time.perf_counter()
-            for begin, end, step in segments or [(lo, hi, u.step)]:
+            for begin, end, step, lr, wd in segments or [(lo, hi, u.step, u.lr, cfg.weight_decay)]:
                 a, b = max(begin, lo), min(end, hi)  # block offsets, inside this unit
                 if a >= b:
                     continue
@@ -250,8 +260,8 @@ class BlockStepper:
                     continue
                 base = begin if per_slot else whole_base
                 g = pieces[base][a - base:b - base]
-                self.kernel(master[m], exp_avg[m], exp_avg_sq[m], g, step=step, lr=u.lr,
-                            beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                self.kernel(master[m], exp_avg[m], exp_avg_sq[m], g, step=step, lr=lr,
+                            beta1=beta1, beta2=beta2, eps=cfg.eps, weight_decay=wd,
                             grad_scale=u.grad_scale,
                             out16=None if fp32 else out16[a - out_base:b - out_base])
             # weights that are views of the masters themselves were updated in place
@@ -265,18 +275,28 @@ class BlockStepper:
         rep.upload_s += time.perf_counter() - t0
         u.stepped.add(bi)
 
-    def _segments(self, u: Update, bi: int,
-                  per_slot: bool = False) -> list[tuple[int, int, int | None]] | None:
-        """Block bi's slots as (begin, end, AdamW step number or None = not stepped), when its
-        slots do not all share the update's step number or `per_slot` asks for them; None (one
-        kernel call) otherwise."""
+    def _segments(self, u: Update, bi: int, per_slot: bool = False
+                  ) -> list[tuple[int, int, int | None, float, float]] | None:
+        """Block bi's slots as (begin, end, AdamW step number or None = not stepped, lr, weight
+        decay), when its slots do not all share the update's step number and hyper-parameters
+        or `per_slot` asks for them (neighbours that agree merged but for `per_slot`); None
+        (one kernel call) otherwise."""
         missing = u.missing.get(bi, ())
         skips = self.counters.slot_skips
         slots = self.p.blocks[bi].slots
-        if not per_slot and not missing and not any(s.name in skips for s in slots):
+        if not per_slot and not missing and not any(
+                s.name in skips or s.name in u.hyper for s in slots):
             return None
-        return [(s.offset, s.offset + s.numel,
-                 None if s.name in missing else u.step - skips.get(s.name, 0)) for s in slots]
+        default = (u.lr, self.p.cfg.weight_decay)
+        out: list[tuple[int, int, int | None, float, float]] = []
+        for s in slots:
+            seg = (None if s.name in missing else u.step - skips.get(s.name, 0),
+                   *u.hyper.get(s.name, default))
+            if not per_slot and out and out[-1][1] == s.offset and out[-1][2:] == seg:
+                out[-1] = (out[-1][0], s.offset + s.numel, *seg)
+            else:
+                out.append((s.offset, s.offset + s.numel, *seg))
+        return out
 
     def finish(self, u: Update, rep: StepReport, order: list[int], unit_order: list[int],
                sync_compute: bool = True) -> None:

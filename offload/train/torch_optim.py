@@ -1,0 +1,434 @@
+"""`OffloadAdamW`: the engine behind the torch.optim protocol, for the loops people already
+use -- Hugging Face `Trainer`, TRL, Accelerate, a plain `loss.backward(); opt.step();
+opt.zero_grad()`.
+
+    opt = offload.OffloadAdamW(model, lr=2e-5, weight_decay=0.01, offload="nvme", nvme_dir=...)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
+
+What stays the engine's: the gradients leave the device during backward (its post-accumulate
+hooks: `loss.backward()` lands them in host buffers and frees the device copies, so no
+parameter keeps a `.grad`), the fp32 masters and Adam moments live in RAM or NVMe swap files,
+and `step()` is the engine's update after backward (the fused CPU AdamW, block by block).
+What is torch.optim's: `param_groups` (per-group lr and weight decay, which LR schedulers
+drive), `step(closure)`, `zero_grad()`, `state_dict()` / `load_state_dict()`.
+
+The window of an update is every backward since the last `step()` or `zero_grad()`: the
+caller's loop decides the accumulation (gradients of later backward passes are added on the
+host in fp32), and scales the loss itself as it does for torch.optim.AdamW (Trainer's
+`num_items_in_batch`). The engine's own `grad_accum_steps` is therefore ignored.
+
+Clipping: the trainers call `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`
+(Accelerate's `clip_grad_norm_` ends there too) before `step()`. While an OffloadAdamW is
+open, that function is wrapped: given this optimizer's parameters it returns the true global
+norm of the landed gradients (the per-parameter norms combined as torch combines them) and
+the next step scales every gradient by clip_grad_norm_'s coefficient; given anything else it
+is torch's own. A call it cannot honour (a part of the parameters, another norm type, twice
+in one window, on top of `grad_clip`) raises in one line -- never a silent no-op.
+`opt.clip_grad_norm_(max_norm)` does the same for code that bound torch's function before the
+optimizer existed.
+
+Not served (each refused in one line): fp16 (a trainer's GradScaler cannot see gradients that
+already left the device: use bf16 or fp32), several ranks (use `offload.initialize` and
+`runners.finetune --zero-stage`), the overlapped and delayed steps, per-group betas or eps,
+parameter groups added after construction.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from offload.config import ConfigError, OffloadConfig, as_config
+from offload.optim.state import NvmeState
+from offload.train import state as engine_state
+from offload.train.engine import Engine
+from offload.train.errors import StateError
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_FP16 = ("dtype='fp16' is not served through the torch.optim protocol: a trainer's fp16 "
+         "GradScaler cannot see gradients that already left the device; use dtype='bf16' (or "
+         "Trainer(bf16=True)) or 'fp32', or offload.initialize with its own loss scaling")
+
+
+def torch_protocol_config(cfg: OffloadConfig, model: nn.Module, explicit: set[str]) -> OffloadConfig:
+    """`cfg` as the optimizer runs it: the step after backward, accumulation decided by the
+    caller (grad_accum_steps 2: fp32 landing buffers that later backward passes add into),
+    the model's own dtype unless `dtype` is in `explicit`; what it cannot serve refused."""
+    if "dtype" not in explicit:
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        name = _DTYPE_NAMES.get(next(iter(dtypes))) if len(dtypes) == 1 else None
+        if name is None:
+            raise ConfigError(f"the model's trainable parameters are {sorted(map(str, dtypes))}: "
+                              f"pass dtype='bf16' or 'fp32' for the weights the engine keeps")
+        cfg = cfg.replace(dtype=name)
+    if cfg.dtype == "fp16":
+        raise ConfigError(_FP16)
+    if cfg.delayed_update:
+        raise ConfigError("delayed_update is not served through the torch.optim protocol (the "
+                          "trainer expects step() to have applied the update); use "
+                          "offload.initialize for the delayed update")
+    if cfg.overlap_step and "overlap_step" in explicit:
+        raise ConfigError("overlap_step=True: through the torch.optim protocol the step runs "
+                          "after backward (the trainer clips after backward and decides when a "
+                          "window ends); leave overlap_step out")
+    return cfg.replace(overlap_step=False, grad_accum_steps=2)
+
+
+def _group_names(params: Any, model: nn.Module) -> list[tuple[dict[str, Any], list[str]]]:
+    """The caller's parameter groups as (options, parameter names), from what torch.optim
+    accepts: parameters, (name, parameter) pairs, or dicts with "params"; None: every
+    trainable parameter of `model` in one group."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params: give an iterable of parameters or of parameter-group dicts, "
+                        "not a single tensor")
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    out = []
+    for g in groups:
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError("params: mix of parameters and group dicts; give one or the other")
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        names = []
+        for p in ps:
+            p = p[1] if isinstance(p, tuple) else p
+            if id(p) not in name_of:
+                raise ConfigError("params: a parameter that is not one of the model's; build the "
+                                  "groups from this model's parameters")
+            if not p.requires_grad:
+                raise ConfigError(f"params: {name_of[id(p)]!r} does not require grad; leave "
+                                  f"frozen parameters out of the optimizer's groups")
+            names.append(name_of[id(p)])
+        out.append(({k: v for k, v in g.items() if k != "params"}, names))
+    return out
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's math (decoupled weight decay) run by the offload engine; see the
+    module docstring. `model`: the module whose parameters it trains (the engine needs its
+    blocks); `params`: its parameters or parameter groups (default: every trainable one);
+    the rest are OffloadConfig fields (`offload`, `nvme_dir`, `dtype`, budgets, ...)."""
+
+    def __init__(self, model: nn.Module, params: Iterable[Any] | None = None, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, offload: str = "cpu", source: Any = None,
+                 **options: Any):
+        unknown = sorted(set(options) - set(OffloadConfig.field_names()))
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)}; valid: "
+                              f"{', '.join(OffloadConfig.field_names())}")
+        cfg = OffloadConfig(offload=offload, lr=lr, betas=tuple(betas), eps=eps,
+                            weight_decay=weight_decay, **options)
+        self._setup(model, cfg, set(options), params, source)
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: Any, params: Iterable[Any] | None = None,
+                    *, source: Any = None) -> "OffloadAdamW":
+        """From a whole OffloadConfig (or our flat dict, or a DeepSpeed dict)."""
+        cfg = as_config(config)
+        self = cls.__new__(cls)
+        self._setup(model, cfg, {"dtype"} if isinstance(config, OffloadConfig) else set(),
+                    params, source)
+        return self
+
+    def _setup(self, model: nn.Module, cfg: OffloadConfig, explicit: set[str], params: Any,
+               source: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"OffloadAdamW needs the model (an nn.Module) first, got "
+                            f"{type(model).__name__}: OffloadAdamW(model, lr=...)")
+        cfg = torch_protocol_config(cfg, model, explicit)
+        groups = _group_names(params, model)  # before the engine may replace meta parameters
+        self._building = True
+        self.engine = Engine(model, cfg, source)
+        try:
+            if self.engine.zero is not None:
+                raise ConfigError("OffloadAdamW runs in one process; across ranks use "
+                                  "offload.initialize or runners.finetune --zero-stage N")
+            live = {s.name: s.param for b in self.engine.blocks for s in b.slots}
+            order = [n for _, names in groups for n in names]
+            left = sorted(set(live) - set(order))
+            if left:
+                raise ConfigError(f"params: {len(left)} trainable parameter(s) in no group "
+                                  f"({', '.join(left[:3])}...); put every trainable parameter in "
+                                  f"a group or freeze it (requires_grad_(False)) first")
+            self._order = order  # parameter names in param_groups order (state_dict's indices)
+            self._names = {id(live[n]): n for n in order}
+            defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, amsgrad=False, maximize=False)
+            super().__init__([{**opts, "params": [live[n] for n in names]}
+                              for opts, names in groups], defaults)
+        except BaseException:
+            self.engine.close(after_error=True)
+            raise
+        self._building = False
+        self._closed = False
+        self._clipped = False
+        self._end_queued = False
+        self._end_hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                           for p in live.values()]
+        self._new_window()
+        _LIVE.add(self)
+        _install_clip()
+
+    # -- torch.optim.Optimizer --------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise ConfigError("OffloadAdamW cannot take parameter groups after construction "
+                              "(the engine's blocks are fixed); pass every group as params=")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients landed since the last step (the next backward starts a window)."""
+        super().zero_grad(set_to_none)
+        self._new_window()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Apply the update of every gradient landed since the last step() or zero_grad(),
+        clipped as clip_grad_norm_ asked; an update whose gradients hold inf/nan is skipped
+        (`engine.last_report.nonfinite`)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_open()
+        lr0, hyper = self._hyper()
+        self.engine.set_lr(lr0)
+        self.engine.updates.hyper = hyper
+        try:
+            self.engine.apply_window()
+        finally:
+            self._new_window()
+        return loss
+
+    def _hyper(self) -> tuple[float, dict[str, tuple[float, float]]]:
+        """The first group's lr, and (lr, weight decay) of each parameter whose group differs
+        from (that lr, the configured weight decay)."""
+        cfg = self.engine.cfg
+        lr0 = None
+        hyper: dict[str, tuple[float, float]] = {}
+        for i, g in enumerate(self.param_groups):
+            lr, wd = float(g["lr"]), float(g["weight_decay"])
+            if not (math.isfinite(lr) and lr >= 0 and math.isfinite(wd) and wd >= 0):
+                raise ConfigError(f"param_groups[{i}]: lr {lr!r} and weight_decay {wd!r} must be "
+                                  f"finite numbers >= 0")
+            if tuple(g["betas"]) != tuple(cfg.betas) or g["eps"] != cfg.eps or \
+                    g.get("amsgrad") or g.get("maximize"):
+                raise ConfigError(f"param_groups[{i}]: betas, eps, amsgrad and maximize must be the "
+                                  f"optimizer's own (betas={cfg.betas}, eps={cfg.eps}, no amsgrad, "
+                                  f"no maximize); per-group values of these are not supported")
+            lr0 = lr if lr0 is None else lr0
+            if (lr, wd) != (lr0, cfg.weight_decay):
+                hyper.update({self._names[id(p)]: (lr, wd) for p in g["params"]})
+        return lr0, hyper
+
+    # -- clipping ---------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        parameters: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's landed gradients: returns their
+        global L2 norm (fp32, as torch computes it); the next step() multiplies every gradient
+        by min(1, max_norm / (norm + 1e-6)). `parameters`: what the caller passed torch's
+        function (checked to be this optimizer's, all of them)."""
+        self._check_open()
+        if parameters is not None:
+            self._check_clip_params(parameters)
+        if float(norm_type) != 2.0:
+            raise ConfigError(f"clip_grad_norm_ with norm_type={norm_type!r}: OffloadAdamW clips "
+                              f"by the L2 norm only (norm_type=2)")
+        if self.engine.cfg.grad_clip > 0:
+            raise ConfigError(f"clip_grad_norm_ on an OffloadAdamW built with grad_clip="
+                              f"{self.engine.cfg.grad_clip}: it clips at every step already; "
+                              f"drop one of them (e.g. Trainer's max_grad_norm=0)")
+        if self._clipped:
+            raise RuntimeError("clip_grad_norm_ called twice before step(): clip once per update")
+        e = self.engine
+        e.grads.wait()
+        e.grads.finish_window()
+        total = e.grads.global_norm(e.updates.norm_order)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
+                               f"`parameters` is non-finite, so it cannot be clipped.")
+        self._clipped = True
+        e.updates.window_clip = float(max_norm)
+        return total
+
+    def _check_clip_params(self, parameters: list[torch.Tensor]) -> None:
+        ours = set(self._names)
+        given = {id(p) for p in parameters}
+        if not ours <= given:
+            raise ConfigError(f"clip_grad_norm_ over {len(ours & given)} of this OffloadAdamW's "
+                              f"{len(ours)} parameters: it clips by the global norm of all of "
+                              f"them at once; pass model.parameters()")
+        if any(p.grad is not None for p in parameters if id(p) not in ours):
+            raise ConfigError("clip_grad_norm_ over this OffloadAdamW's parameters and others "
+                              "that hold gradients: clip each optimizer's parameters apart")
+
+    def _owns(self, parameters: list[torch.Tensor]) -> bool:
+        return not self._closed and any(id(p) in self._names for p in parameters)
+
+    # -- the window and its backward passes -----------------------------------------------------
+    def _new_window(self) -> None:
+        self.engine.grads.begin_micro(0)
+        self.engine.updates.window_clip = None
+        self._clipped = False
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """A gradient landed (after the engine's own hook): once per backward, what the engine's
+        backward() does when it returns is queued for the end of this one."""
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._end_queued = False
+        e = self.engine
+        e.grads.end_micro()
+        if e.streaming is not None:
+            e.streaming.end_backward()
+        if e.act_store is not None:
+            e.act_store.clear()
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's layout ("state": per parameter index its step, exp_avg,
+        exp_avg_sq, plus the fp32 "master"; "param_groups") and the engine's counters under
+        "offload". Before the first update "state" is empty (nothing but the weights)."""
+        self._check_open()
+        e = self.engine
+        groups, start = [], 0
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        if e.global_step > 0:
+            index = {n: i for i, n in enumerate(self._order)}
+            for bi, block in enumerate(e.blocks):
+                flat = e.optimizer_state(bi)
+                engine_state.check_finite(flat, f"block {block.name}")
+                views = {k: block.views(v) for k, v in flat.items()}
+                for s in block.slots:
+                    steps = e.global_step - e.slot_skips.get(s.name, 0)
+                    state[index[s.name]] = {"step": torch.tensor(float(steps)),
+                                            **{k: views[k][s.name] for k in engine_state.KINDS}}
+        return {"state": state, "param_groups": groups,
+                "offload": {**e.state_meta(), "names": list(self._order)}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what state_dict() gave (validated: another model's, a damaged one or a
+        torch.optim.AdamW state is refused in one line); the weights follow the masters."""
+        self._check_open()
+        e = self.engine
+        meta = state_dict.get("offload") if isinstance(state_dict, dict) else None
+        if not isinstance(meta, dict):
+            raise StateError("not an OffloadAdamW state_dict (no 'offload' entry: a torch.optim "
+                             "state holds no fp32 masters); load one that OffloadAdamW saved, or "
+                             "start the optimizer fresh")
+        where = "the optimizer state"
+        if meta.get("names") != self._order:
+            raise StateError(f"{where} was saved for other parameters or groups; load it into "
+                             f"an OffloadAdamW of the same model built with the same params=")
+        skips, _ = engine_state._check_meta(e.parts, meta, where, where)
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or [len(g.get("params", ())) for g in saved_groups
+                                                  if isinstance(g, dict)] != \
+                [len(g["params"]) for g in self.param_groups]:
+            raise StateError(f"{where}: its param_groups do not match this optimizer's")
+        state = state_dict.get("state")
+        if meta["global_step"] == 0:
+            if e.global_step != 0:
+                raise StateError(f"{where} is from before the first update; load it into a "
+                                 f"fresh OffloadAdamW")
+        else:
+            self._load_tensors(state if isinstance(state, dict) else {})
+            e.updates.load_state_dict({**meta, "slot_skips": skips})
+            if isinstance(e.parts.state, NvmeState):
+                e.parts.state.end_step(e.parts.unit_order(), e.global_step)
+        for g, saved in zip(self.param_groups, saved_groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        self._new_window()
+
+    def _load_tensors(self, state: dict) -> None:
+        """Each block's masters and moments from the per-parameter entries, then its 16-bit
+        weights from the masters (in their tier)."""
+        e = self.engine
+        p = e.parts
+        for bi, block in enumerate(e.blocks):
+            flats = {k: torch.empty(block.numel, dtype=torch.float32) for k in engine_state.KINDS}
+            for s in block.slots:
+                entry = state.get(self._order.index(s.name))
+                for k in engine_state.KINDS:
+                    t = entry.get(k) if isinstance(entry, dict) else None
+                    if not (isinstance(t, torch.Tensor) and t.shape == s.shape and
+                            t.dtype == torch.float32 and bool(torch.isfinite(t).all())):
+                        raise StateError(f"the optimizer state's {k} of {s.name!r} is missing, "
+                                         f"not a finite float32 tensor of shape "
+                                         f"{tuple(s.shape)}: the saved state is damaged; "
+                                         f"resume from another checkpoint")
+                    flats[k][s.offset:s.offset + s.numel].copy_(t.reshape(-1))
+            for k, t in flats.items():
+                p.state.load(bi, k, t)
+            if bi in p.layer_of:
+                p.streaming.load_weights(p.layer_of[bi], flats["master"].to(p.dtype))
+            else:
+                p.weights.flat16[bi].copy_(flats["master"])
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("OffloadAdamW used after close()")
+
+    def close(self) -> None:
+        """Close the engine (IO, threads, hooks: the model is a plain module again)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._end_hooks:
+            h.remove()
+        _LIVE.discard(self)
+        self.engine.close()
+        if not _LIVE:
+            _uninstall_clip()
+
+
+# -- torch.nn.utils.clip_grad_norm_, routed to the optimizer that owns the parameters ---------
+_LIVE: "weakref.WeakSet[OffloadAdamW]" = weakref.WeakSet()
+_TORCH_CLIP: dict[str, Callable] = {}
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.clip_grad_norm_, or an open OffloadAdamW's when it owns `parameters`."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    for opt in list(_LIVE):
+        if opt._owns(params):
+            return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, parameters=params)
+    return _TORCH_CLIP["fn"](params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _install_clip() -> None:
+    import torch.nn.utils.clip_grad as clip_grad
+    if "fn" not in _TORCH_CLIP:
+        _TORCH_CLIP["fn"] = clip_grad.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def _uninstall_clip() -> None:
+    import torch.nn.utils.clip_grad as clip_grad
+    real = _TORCH_CLIP.pop("fn", None)
+    if real is None:
+        return
+    for mod in (torch.nn.utils, clip_grad):
+        if getattr(mod, "clip_grad_norm_", None) is clip_grad_norm_:
+            mod.clip_grad_norm_ = real
+
+
+__all__ = ["OffloadAdamW", "clip_grad_norm_", "torch_protocol_config"]
