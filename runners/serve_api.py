@@ -156,7 +156,7 @@ class API:
         ctx, P = self.s.context, len(ids)
         where = "messages" if spec.messages is not None else "prompt"
         if P >= ctx:
-            raise bad(f"this model's context is {ctx} tokens; the {where} alone is {P} tokens",
+            raise bad(f"this model's context is {ctx} tokens; the {where} alone take {P} tokens",
                       where, "context_length_exceeded")
         if spec.max_tokens is not None:
             if P + spec.max_tokens > ctx:
