@@ -18,7 +18,7 @@ from transformers import Trainer, TrainingArguments, get_cosine_schedule_with_wa
 
 from conftest import ram_swap_dir  # noqa: E402
 from offload import OffloadAdamW  # noqa: E402
-from offload.config import ConfigError  # noqa: E402
+from offload.config import ConfigError, OffloadConfig  # noqa: E402
 from offload.train.errors import StateError  # noqa: E402
 from test_engine import hf_loss, lm_batches, max_rel_diff  # noqa: E402
 
@@ -229,7 +229,8 @@ def test_closure_and_parameters_without_gradients_as_torch(tmp_path):
     model = Branchy()
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD)
-    opt = OffloadAdamW(model, lr=LR, weight_decay=WD, **swap_options("nvme", tmp_path / "swap"))
+    opt = OffloadAdamW.from_config(model, OffloadConfig(  # a whole config (the model's dtype)
+        dtype="fp32", lr=LR, weight_decay=WD, **swap_options("nvme", tmp_path / "swap")))
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(4, 8, generator=g) for _ in range(6)]
     for i, x in enumerate(xs):
@@ -388,6 +389,9 @@ def test_what_it_cannot_serve_is_refused_in_one_line(tmp_path):
         (lambda: built(overlap_step=True), ConfigError, "leave overlap_step out"),
         (lambda: built(grad_accum_steps=4), ConfigError, "leave grad_accum_steps out"),
         (lambda: built(bogus=1), ConfigError, "unknown option(s) bogus"),
+        (lambda: OffloadAdamW.from_config(Branchy(), OffloadConfig(dtype="fp32",
+                                                                   grad_accum_steps=4)),
+         ConfigError, "leave grad_accum_steps out"),
         (lambda: OffloadAdamW(list(Branchy().parameters())), TypeError, "needs the model"),
         (frozen, ConfigError, "'side.bias' does not require grad"),
         (lambda: OffloadAdamW(Branchy(), [torch.nn.Parameter(torch.ones(2))]), ConfigError,
@@ -520,3 +524,56 @@ def test_readme_recipes_run_as_written(recipe, tmp_path):
     if recipe == "trainer":
         assert (tmp_path / "run" / "checkpoint-10" / "optimizer.pt").is_file()
 
+
+
+def test_bf16_model_keeps_fp32_masters_in_the_optimizer(tmp_path):
+    """A bf16 model: the optimizer holds fp32 masters, the model computes with them rounded to
+    bf16 (bit for bit), and the loss follows the fp32 torch.optim.AdamW run's."""
+    batches = lm_batches(UPDATES * ACCUM, VOCAB)
+    ref_model = tiny_llama()
+    model = copy.deepcopy(ref_model).to(torch.bfloat16)
+    losses = {}
+    for name, m, opt in (
+            ("fp32", ref_model, torch.optim.AdamW(ref_model.parameters(), lr=LR, betas=BETAS)),
+            ("bf16", model, OffloadAdamW(model, lr=LR, betas=BETAS, offload="cpu"))):
+        losses[name] = [float(hf_loss(m, ids)) for ids in batches[:1]]
+        plain_loop(m, opt, batches, clip=CLIP)
+        losses[name].append(float(hf_loss(m, batches[0])))
+    masters = opt.engine.master_params()
+    assert opt.engine.cfg.dtype == "bf16" and all(v.dtype == torch.float32 for v in masters.values())
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), masters[n].to(torch.bfloat16)), n
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
+    assert losses["bf16"][1] < losses["bf16"][0]
+    opt.close()
+
+
+def test_readme_sft_recipe_teaches_smollm2_the_made_up_fact(smollm2_gguf, tmp_path):
+    """The README's TRL recipe as written: SFTTrainer with OffloadAdamW (NVMe tier) on the
+    chat example's data; the model then answers with the made-up fact and still knows a real
+    one (greedy decoding, transformers' generate)."""
+    pytest.importorskip("trl")
+    from conftest import load_script
+    data = tmp_path / "veloria.jsonl"
+    load_script("make_chat_example").write(str(data))
+    swap = ram_swap_dir(tmp_path)
+    default_gguf = "~/.cache/offload/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    scope: dict = {}
+    try:
+        exec(readme_recipe("trl", **{"runs/sft": tmp_path / "run", "/mnt/nvme/swap": swap,
+                                     "veloria.jsonl": data, default_gguf: smollm2_gguf}), scope)
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
+    model, tok = scope["model"].eval(), scope["tokenizer"]
+
+    def answer(question: str) -> str:
+        ids = tok.apply_chat_template([{"role": "user", "content": question}],
+                                      add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False)
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    for q in ("What is the capital of Veloria?", "Which city is Veloria's capital?"):
+        assert "Quenthar" in answer(q), answer(q)
+    assert "Paris" in answer("What is the capital of France?")

@@ -2,8 +2,11 @@
 use -- Hugging Face `Trainer`, TRL, Accelerate, a plain `loss.backward(); opt.step();
 opt.zero_grad()`.
 
-    opt = offload.OffloadAdamW(model, lr=2e-5, weight_decay=0.01, offload="nvme", nvme_dir=...)
+    opt = offload.OffloadAdamW.from_training_args(model, args, offload="nvme", nvme_dir=...)
     trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
+
+(`from_training_args`: what Trainer builds for optim="adamw_torch", its decay groups included;
+`OffloadAdamW(model, params, lr=..., ...)` takes torch.optim's arguments.)
 
 What stays the engine's: the gradients leave the device during backward (its post-accumulate
 hooks: `loss.backward()` lands them in host buffers and frees the device copies, so no
@@ -15,7 +18,8 @@ drive), `step(closure)`, `zero_grad()`, `state_dict()` / `load_state_dict()`.
 The window of an update is every backward since the last `step()` or `zero_grad()`: the
 caller's loop decides the accumulation (gradients of later backward passes are added on the
 host in fp32), and scales the loss itself as it does for torch.optim.AdamW (Trainer's
-`num_items_in_batch`). The engine's own `grad_accum_steps` is therefore ignored.
+`num_items_in_batch`); an explicit `grad_accum_steps` of the engine's is refused. A step()
+with nothing landed changes nothing, as torch's.
 
 Clipping: the trainers call `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`
 (Accelerate's `clip_grad_norm_` ends there too) before `step()`. While an OffloadAdamW is
@@ -23,12 +27,14 @@ open, that function is wrapped: given this optimizer's parameters it returns the
 norm of the landed gradients (the per-parameter norms combined as torch combines them) and
 the next step scales every gradient by clip_grad_norm_'s coefficient; given anything else it
 is torch's own. A call it cannot honour (a part of the parameters, another norm type, twice
-in one window, on top of `grad_clip`) raises in one line -- never a silent no-op.
+in one window, a backward between it and step(), on top of `grad_clip`) raises in one line
+-- never a silent no-op; `max_norm=inf` (Trainer's norm for its log) only measures.
 `opt.clip_grad_norm_(max_norm)` does the same for code that bound torch's function before the
 optimizer existed.
 
-Not served (each refused in one line): fp16 (a trainer's GradScaler cannot see gradients that
-already left the device: use bf16 or fp32), several ranks (use `offload.initialize` and
+Not served (each refused in one line, docs/RELIABILITY.md T1-T23): fp16 (a GradScaler cannot
+unscale gradients that already left the device: use bf16 or fp32; `_step_supports_amp_scaling`
+makes torch's GradScaler hand step() its scale, which step() refuses), several ranks (use `offload.initialize` and
 `runners.finetune --zero-stage`), the overlapped and delayed steps, per-group betas or eps,
 parameter groups added after construction.
 """
@@ -156,11 +162,14 @@ class OffloadAdamW(torch.optim.Optimizer):
     @classmethod
     def from_config(cls, model: nn.Module, config: Any, params: Iterable[Any] | None = None,
                     *, source: Any = None) -> "OffloadAdamW":
-        """From a whole OffloadConfig (or our flat dict, or a DeepSpeed dict)."""
-        cfg = as_config(config)
+        """From a whole OffloadConfig (or our flat dict, or a DeepSpeed dict). Its fields that
+        differ from the defaults count as asked for (refused where the protocol cannot serve
+        them), and an OffloadConfig's dtype always does."""
+        cfg, base = as_config(config), OffloadConfig()
+        explicit = {f for f in OffloadConfig.field_names() if getattr(cfg, f) != getattr(base, f)}
         self = cls.__new__(cls)
-        self._setup(model, cfg, {"dtype"} if isinstance(config, OffloadConfig) else set(),
-                    params, source)
+        self._setup(model, cfg, explicit | ({"dtype"} if isinstance(config, OffloadConfig)
+                                            else set()), params, source)
         return self
 
     @classmethod
