@@ -165,7 +165,7 @@ def load_state(parts: Parts, updates: Updates, path: AfterBackward, directory: s
     delayed = delayed_of(path)
     if delayed is not None:
         delayed.drop()  # everything below overwrites what the pending job produced
-    skips, pending = _check_meta(parts, meta, meta_path, directory)
+    skips, pending = check_meta(parts, meta, meta_path, directory)
     pieces = _pieces(parts, meta, meta_path, directory)
     for bi in range(len(parts.blocks)):
         _load_block(parts, delayed, bi, pending, pieces[bi], meta.get("files"))
@@ -196,7 +196,7 @@ def _read_meta(directory: str) -> tuple[dict, str]:
     return meta, meta_path
 
 
-def _check_meta(parts: Parts, meta: dict, meta_path: str, directory: str
+def check_meta(parts: Parts, meta: dict, meta_path: str, directory: str
                 ) -> tuple[dict, bool]:
     """Refuse a state from another model, dtype or configuration, or with damaged counters;
     returns the validated slot_skips and whether a delayed update was pending."""
@@ -309,11 +309,21 @@ def _load_block(parts: Parts, delayed: Delayed | None, bi: int, pending: bool,
                 raise StateError(f"{path}: live weights have shape {tuple(saved_live.shape)} "
                                  f"{saved_live.dtype}, expected ({phi - plo},) {dtype}")
             live[a - lo:b - lo] = saved_live[a - plo:b - plo]
+    restore_block(parts, bi, values, live, delayed)
+
+
+def restore_block(parts: Parts, bi: int, values: dict[str, torch.Tensor],
+                  live: torch.Tensor | None = None, delayed: Delayed | None = None) -> None:
+    """Block bi's fp32 `values` (KINDS, over the range this process owns) into the optimizer
+    state, and its 16-bit weights into their tier: from the masters, or `live` (the weights a
+    pending delayed update's run computed with) with the masters in `delayed`'s shadow. Also
+    what OffloadAdamW.load_state_dict restores (offload/train/torch_optim.py)."""
+    lo, hi = parts.owned(bi)
     for kind, t in values.items():
         parts.state.load(bi, kind, t)
     flat16 = parts.weights.flat16
     if bi in parts.layer_of:  # 16-bit weights follow the masters, in their tier
-        parts.streaming.load_weights(parts.layer_of[bi], values["master"].to(dtype))
+        parts.streaming.load_weights(parts.layer_of[bi], values["master"].to(parts.dtype))
     elif live is not None and delayed is not None:
         # the saved run was computing with the weights from before its last update; across
         # ranks each rank fills its part of both, gathered after (load_state, the next step)

@@ -2,8 +2,11 @@
 use -- Hugging Face `Trainer`, TRL, Accelerate, a plain `loss.backward(); opt.step();
 opt.zero_grad()`.
 
-    opt = offload.OffloadAdamW(model, lr=2e-5, weight_decay=0.01, offload="nvme", nvme_dir=...)
+    opt = offload.OffloadAdamW.from_training_args(model, args, offload="nvme", nvme_dir=...)
     trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
+
+(`from_training_args`: what Trainer builds for optim="adamw_torch", its decay groups included;
+`OffloadAdamW(model, params, lr=..., ...)` takes torch.optim's arguments.)
 
 What stays the engine's: the gradients leave the device during backward (its post-accumulate
 hooks: `loss.backward()` lands them in host buffers and frees the device copies, so no
@@ -15,7 +18,8 @@ drive), `step(closure)`, `zero_grad()`, `state_dict()` / `load_state_dict()`.
 The window of an update is every backward since the last `step()` or `zero_grad()`: the
 caller's loop decides the accumulation (gradients of later backward passes are added on the
 host in fp32), and scales the loss itself as it does for torch.optim.AdamW (Trainer's
-`num_items_in_batch`). The engine's own `grad_accum_steps` is therefore ignored.
+`num_items_in_batch`); an explicit `grad_accum_steps` of the engine's is refused. A step()
+with nothing landed changes nothing, as torch's.
 
 Clipping: the trainers call `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`
 (Accelerate's `clip_grad_norm_` ends there too) before `step()`. While an OffloadAdamW is
@@ -23,12 +27,14 @@ open, that function is wrapped: given this optimizer's parameters it returns the
 norm of the landed gradients (the per-parameter norms combined as torch combines them) and
 the next step scales every gradient by clip_grad_norm_'s coefficient; given anything else it
 is torch's own. A call it cannot honour (a part of the parameters, another norm type, twice
-in one window, on top of `grad_clip`) raises in one line -- never a silent no-op.
+in one window, a backward between it and step(), on top of `grad_clip`) raises in one line
+-- never a silent no-op; `max_norm=inf` (Trainer's norm for its log) only measures.
 `opt.clip_grad_norm_(max_norm)` does the same for code that bound torch's function before the
 optimizer existed.
 
-Not served (each refused in one line): fp16 (a trainer's GradScaler cannot see gradients that
-already left the device: use bf16 or fp32), several ranks (use `offload.initialize` and
+Not served (each refused in one line, docs/RELIABILITY.md T1-T23): fp16 (a GradScaler cannot
+unscale gradients that already left the device: use bf16 or fp32; `_step_supports_amp_scaling`
+makes torch's GradScaler hand step() its scale, which step() refuses), several ranks (use `offload.initialize` and
 `runners.finetune --zero-stage`), the overlapped and delayed steps, per-group betas or eps,
 parameter groups added after construction.
 """
@@ -36,10 +42,12 @@ parameter groups added after construction.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from offload.config import ConfigError, OffloadConfig, as_config
@@ -52,6 +60,21 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 _FP16 = ("dtype='fp16' is not served through the torch.optim protocol: a trainer's fp16 "
          "GradScaler cannot see gradients that already left the device; use dtype='bf16' (or "
          "Trainer(bf16=True)) or 'fp32', or offload.initialize with its own loss scaling")
+_SCALER = ("a GradScaler steps this OffloadAdamW (fp16 mixed precision: Trainer(fp16=True), "
+           "Accelerator(mixed_precision='fp16')): it cannot unscale gradients that already left "
+           "the device, so the update would use the scaled ones; use bf16 or fp32")
+
+
+_RANKS = ("OffloadAdamW runs in one process (its gradients leave the device before DDP or FSDP "
+          "could reduce them); across ranks use offload.initialize or "
+          "`torchrun ... -m runners.finetune --zero-stage N`")
+
+
+def _several_ranks() -> bool:
+    """This process is one of several data-parallel ranks (a process group, or torchrun's)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def torch_protocol_config(cfg: OffloadConfig, model: nn.Module, explicit: set[str]) -> OffloadConfig:
@@ -75,6 +98,11 @@ def torch_protocol_config(cfg: OffloadConfig, model: nn.Module, explicit: set[st
         raise ConfigError("overlap_step=True: through the torch.optim protocol the step runs "
                           "after backward (the trainer clips after backward and decides when a "
                           "window ends); leave overlap_step out")
+    if "grad_accum_steps" in explicit and cfg.grad_accum_steps != 1:
+        raise ConfigError(f"grad_accum_steps={cfg.grad_accum_steps}: through the torch.optim "
+                          f"protocol the trainer's loop decides the accumulation (every backward "
+                          f"until step() is one update; Trainer's gradient_accumulation_steps); "
+                          f"leave grad_accum_steps out")
     return cfg.replace(overlap_step=False, grad_accum_steps=2)
 
 
@@ -115,6 +143,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     module docstring. `model`: the module whose parameters it trains (the engine needs its
     blocks); `params`: its parameters or parameter groups (default: every trainable one);
     the rest are OffloadConfig fields (`offload`, `nvme_dir`, `dtype`, budgets, ...)."""
+    # torch.amp.GradScaler then hands step() its scale (`found_inf`, `grad_scale`) instead of
+    # unscaling .grad tensors this optimizer never has: step() refuses it in one line
+    _step_supports_amp_scaling = True
 
     def __init__(self, model: nn.Module, params: Iterable[Any] | None = None, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -131,12 +162,34 @@ class OffloadAdamW(torch.optim.Optimizer):
     @classmethod
     def from_config(cls, model: nn.Module, config: Any, params: Iterable[Any] | None = None,
                     *, source: Any = None) -> "OffloadAdamW":
-        """From a whole OffloadConfig (or our flat dict, or a DeepSpeed dict)."""
-        cfg = as_config(config)
+        """From a whole OffloadConfig (or our flat dict, or a DeepSpeed dict). Its fields that
+        differ from the defaults count as asked for (refused where the protocol cannot serve
+        them), and an OffloadConfig's dtype always does."""
+        cfg, base = as_config(config), OffloadConfig()
+        explicit = {f for f in OffloadConfig.field_names() if getattr(cfg, f) != getattr(base, f)}
         self = cls.__new__(cls)
-        self._setup(model, cfg, {"dtype"} if isinstance(config, OffloadConfig) else set(),
-                    params, source)
+        self._setup(model, cfg, explicit | ({"dtype"} if isinstance(config, OffloadConfig)
+                                            else set()), params, source)
         return self
+
+    @classmethod
+    def from_training_args(cls, model: nn.Module, args: Any, **options: Any) -> "OffloadAdamW":
+        """What Trainer would build from `args` (transformers.TrainingArguments) for
+        optim="adamw_torch" -- its learning rate, betas, eps and its two weight-decay groups
+        (Trainer.get_decay_parameter_names: norms and biases without decay) -- run by the
+        engine; `options`: OffloadConfig fields (offload, nvme_dir, ...)."""
+        from transformers import Trainer
+
+        if getattr(args, "fp16", False):
+            raise ConfigError(_SCALER)
+        decay = set(Trainer.get_decay_parameter_names(None, model))  # reads nothing of self
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in trainable if n in decay],
+                   "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+        return cls(model, [g for g in groups if g["params"]], lr=args.learning_rate,
+                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                   weight_decay=args.weight_decay, **options)
 
     def _setup(self, model: nn.Module, cfg: OffloadConfig, explicit: set[str], params: Any,
                source: Any) -> None:
@@ -144,13 +197,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise TypeError(f"OffloadAdamW needs the model (an nn.Module) first, got "
                             f"{type(model).__name__}: OffloadAdamW(model, lr=...)")
         cfg = torch_protocol_config(cfg, model, explicit)
+        if _several_ranks():
+            raise ConfigError(_RANKS)
         groups = _group_names(params, model)  # before the engine may replace meta parameters
         self._building = True
         self.engine = Engine(model, cfg, source)
         try:
-            if self.engine.zero is not None:
-                raise ConfigError("OffloadAdamW runs in one process; across ranks use "
-                                  "offload.initialize or runners.finetune --zero-stage N")
+            if self.engine.zero is not None:  # a group initialised from torchrun's environment
+                raise ConfigError(_RANKS)
             live = {s.name: s.param for b in self.engine.blocks for s in b.slots}
             order = [n for _, names in groups for n in names]
             left = sorted(set(live) - set(order))
@@ -159,6 +213,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                                   f"({', '.join(left[:3])}...); put every trainable parameter in "
                                   f"a group or freeze it (requires_grad_(False)) first")
             self._order = order  # parameter names in param_groups order (state_dict's indices)
+            self._index = {n: i for i, n in enumerate(order)}
             self._names = {id(live[n]): n for n in order}
             defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                             weight_decay=cfg.weight_decay, amsgrad=False, maximize=False)
@@ -199,6 +254,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        if hasattr(self, "found_inf"):
+            raise ConfigError(_SCALER)
+        if not any(self.engine.grads.touched):  # torch.optim steps no parameter without a .grad
+            self._new_window()
+            return loss
         lr0, hyper = self._hyper()
         self.engine.set_lr(lr0)
         self.engine.updates.hyper = hyper
@@ -243,7 +303,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ConfigError(f"clip_grad_norm_ with norm_type={norm_type!r}: OffloadAdamW clips "
                               f"by the L2 norm only (norm_type=2)")
-        if self.engine.cfg.grad_clip > 0:
+        norm_only = math.isinf(float(max_norm)) and float(max_norm) > 0  # Trainer's norm for logs
+        if self.engine.cfg.grad_clip > 0 and not norm_only:
             raise ConfigError(f"clip_grad_norm_ on an OffloadAdamW built with grad_clip="
                               f"{self.engine.cfg.grad_clip}: it clips at every step already; "
                               f"drop one of them (e.g. Trainer's max_grad_norm=0)")
@@ -257,7 +318,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
                                f"`parameters` is non-finite, so it cannot be clipped.")
         self._clipped = True
-        e.updates.window_clip = float(max_norm)
+        if not norm_only:
+            e.updates.window_clip = float(max_norm)
         return total
 
     def _check_clip_params(self, parameters: list[torch.Tensor]) -> None:
@@ -283,6 +345,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _on_grad(self, param: torch.Tensor) -> None:
         """A gradient landed (after the engine's own hook): once per backward, what the engine's
         backward() does when it returns is queued for the end of this one."""
+        if self._clipped:
+            raise RuntimeError("a backward after clip_grad_norm_ and before step(): the norm was "
+                               "taken over the gradients landed before it; clip right before "
+                               "step(), after the window's last backward")
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
@@ -310,7 +376,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             start += len(g["params"])
         state: dict[int, dict[str, torch.Tensor]] = {}
         if e.global_step > 0:
-            index = {n: i for i, n in enumerate(self._order)}
+            index = self._index
             for bi, block in enumerate(e.blocks):
                 flat = e.optimizer_state(bi)
                 engine_state.check_finite(flat, f"block {block.name}")
@@ -336,50 +402,52 @@ class OffloadAdamW(torch.optim.Optimizer):
         if meta.get("names") != self._order:
             raise StateError(f"{where} was saved for other parameters or groups; load it into "
                              f"an OffloadAdamW of the same model built with the same params=")
-        skips, _ = engine_state._check_meta(e.parts, meta, where, where)
+        skips, _ = engine_state.check_meta(e.parts, meta, where, where)
         saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or [len(g.get("params", ())) for g in saved_groups
-                                                  if isinstance(g, dict)] != \
-                [len(g["params"]) for g in self.param_groups]:
-            raise StateError(f"{where}: its param_groups do not match this optimizer's")
+        sizes = [len(g["params"]) for g in self.param_groups]
+        saved_sizes = [len(g.get("params", ())) if isinstance(g, dict) else None
+                       for g in (saved_groups if isinstance(saved_groups, list) else [])]
+        if saved_sizes != sizes:
+            raise StateError(f"{where} has parameter groups of {saved_sizes} parameters, this "
+                             f"optimizer {sizes}: build the OffloadAdamW with the params= groups "
+                             f"it was saved with")
         state = state_dict.get("state")
         if meta["global_step"] == 0:
             if e.global_step != 0:
                 raise StateError(f"{where} is from before the first update; load it into a "
                                  f"fresh OffloadAdamW")
         else:
-            self._load_tensors(state if isinstance(state, dict) else {})
+            state = state if isinstance(state, dict) else {}
+            self._check_entries(state)  # all of it, before anything changes
+            for bi in range(len(e.blocks)):
+                engine_state.restore_block(e.parts, bi, self._block_values(bi, state))
             e.updates.load_state_dict({**meta, "slot_skips": skips})
-            if isinstance(e.parts.state, NvmeState):
+            if isinstance(e.parts.state, NvmeState):  # the swap files now hold this step
                 e.parts.state.end_step(e.parts.unit_order(), e.global_step)
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
         self._new_window()
 
-    def _load_tensors(self, state: dict) -> None:
-        """Each block's masters and moments from the per-parameter entries, then its 16-bit
-        weights from the masters (in their tier)."""
-        e = self.engine
-        p = e.parts
-        for bi, block in enumerate(e.blocks):
-            flats = {k: torch.empty(block.numel, dtype=torch.float32) for k in engine_state.KINDS}
-            for s in block.slots:
-                entry = state.get(self._order.index(s.name))
-                for k in engine_state.KINDS:
-                    t = entry.get(k) if isinstance(entry, dict) else None
-                    if not (isinstance(t, torch.Tensor) and t.shape == s.shape and
-                            t.dtype == torch.float32 and bool(torch.isfinite(t).all())):
-                        raise StateError(f"the optimizer state's {k} of {s.name!r} is missing, "
-                                         f"not a finite float32 tensor of shape "
-                                         f"{tuple(s.shape)}: the saved state is damaged; "
-                                         f"resume from another checkpoint")
-                    flats[k][s.offset:s.offset + s.numel].copy_(t.reshape(-1))
-            for k, t in flats.items():
-                p.state.load(bi, k, t)
-            if bi in p.layer_of:
-                p.streaming.load_weights(p.layer_of[bi], flats["master"].to(p.dtype))
-            else:
-                p.weights.flat16[bi].copy_(flats["master"])
+    def _check_entries(self, state: dict) -> None:
+        for s in (s for b in self.engine.blocks for s in b.slots):
+            entry = state.get(self._index[s.name])
+            for k in engine_state.KINDS:
+                t = entry.get(k) if isinstance(entry, dict) else None
+                if not (isinstance(t, torch.Tensor) and t.shape == s.shape and
+                        t.dtype == torch.float32 and bool(torch.isfinite(t).all())):
+                    raise StateError(f"the optimizer state's {k} of {s.name!r} is missing or "
+                                     f"not a finite float32 tensor of shape {tuple(s.shape)}: "
+                                     f"the saved state is damaged; resume from another "
+                                     f"checkpoint")
+
+    def _block_values(self, bi: int, state: dict) -> dict[str, torch.Tensor]:
+        """Block bi's flat masters and moments from the (checked) per-parameter entries."""
+        block = self.engine.blocks[bi]
+        flats = {k: torch.empty(block.numel, dtype=torch.float32) for k in engine_state.KINDS}
+        for s in block.slots:
+            for k in engine_state.KINDS:
+                flats[k][s.offset:s.offset + s.numel].copy_(state[self._index[s.name]][k].reshape(-1))
+        return flats
 
     # -- lifetime ---------------------------------------------------------------------------
     def _check_open(self) -> None:
