@@ -24,7 +24,11 @@ version counters are their own: autograd saved other parameters of the same flat
 earlier in this forward, and a shared counter moving would fail their backward.
 
 Only in one process, and not with the delayed update (the plan decides: experts.py): the
-replay runs on the thread that runs forward, while no step is in flight.
+replay runs on the thread that runs forward, while no step is in flight. The overlapped step
+runs on the step thread during the last micro-batch's backward, where activation checkpointing
+recomputes layers and so calls `before_experts` again: those are the experts the forward of the
+same inputs routed to, already replayed, so the call finds nothing recorded and touches no
+state (the two threads never share the staging pipeline).
 """
 
 from __future__ import annotations
