@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offload  # noqa: E402
 from offload.models import load_model  # noqa: E402
 from offload.models.moe import SparseMoE  # noqa: E402
+from offload.train.experts import set_untouched_experts  # noqa: E402
 
 
 def group_batches(spec: dict, world: int) -> list[torch.Tensor]:
@@ -60,7 +61,12 @@ def record_routes(model) -> set[tuple[int, int]]:
 
 
 def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
+    """`cfg_kw` may carry "untouched": "skip" (one module per expert's semantics: an expert
+    without tokens on every rank is not stepped) beside OffloadConfig's fields."""
+    cfg_kw = dict(cfg_kw)
+    untouched = cfg_kw.pop("untouched", "step")
     model = load_model(spec["checkpoint"])
+    set_untouched_experts(model, untouched)
     routes = record_routes(model)
     data = group_batches(spec, world)
     per = spec["rows"] // world
@@ -76,11 +82,13 @@ def train(spec: dict, cfg_kw: dict, rank: int, world: int) -> dict:
             engine.step()
         masters = engine.master_params()  # a collective at stages 1-2: every rank calls it
         replay = engine.plan.expert_replay
+        skips = dict(engine.slot_skips)
     finally:
         engine.close()
     every = [None] * world
     dist.all_gather_object(every, sorted(routes))
-    return {"masters": masters, "losses": losses, "routes": every, "replay": replay}
+    return {"masters": masters, "losses": losses, "routes": every, "replay": replay,
+            "skips": skips}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ in one process within 1e-5; the test checks the routing really was disjoint.
 
 How the routing is made disjoint: vocabulary group g's embeddings carry a large marker on two
 dimensions (signs by g), and each router row of expert group g points along the same marker, so
-after every RMSNorm the marker decides the group and the other dimensions the experts in it.
+after every RMSNorm the marker decides the group and the other dimensions the experts in it;
+the last expert of each group has a zero router row and gets no tokens anywhere (stepped with
+zeros under transformers' semantics, skipped under one module per expert's).
 The ranks' rows hold tokens of their own group only (tests/moe_ranks.py group_batches). One
 launch per world size runs every stage (process launches dominate the suite's time).
 """
@@ -27,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import free_port  # noqa: E402
 from moe_ranks import group_batches, lm_loss  # noqa: E402
 from offload.models import load_model  # noqa: E402
+from offload.train.experts import set_untouched_experts  # noqa: E402
 from test_engine import max_rel_diff  # noqa: E402
 from test_moe_train import fused, one_thread  # noqa: E402,F401
 from test_moe_train_io import small_qwen3_moe  # noqa: E402
@@ -49,6 +52,7 @@ def disjoint_moe(groups: int) -> torch.nn.Module:
             for layer in hf.model.layers:
                 router = layer.mlp.gate.weight
                 router[g * per:(g + 1) * per, :2] = torch.tensor(SIGNS[g], dtype=emb.dtype)
+                router[(g + 1) * per - 1] = 0.0  # never chosen: no rank routes tokens to it
     return hf
 
 
@@ -102,10 +106,14 @@ def test_zero_stages_with_disjoint_routing_finish_and_equal_one_process(world, t
                              nvme_dir=str(tmp_path / "swap"), exact_optimizer=True, **OPT),
                         dict(offload="cpu", zero_stage=3, dtype="fp32", device="cpu",
                              exact_optimizer=True, grad_clip=0.5, **OPT)]}
+    if world == 2:  # one module per expert: skipped where no rank routed to it; stage 3, NVMe
+        spec["configs"].append(dict(offload="nvme", offload_params="nvme", zero_stage=3,
+                                    dtype="fp32", device="cpu", nvme_dir=str(tmp_path / "swap3"),
+                                    exact_optimizer=True, untouched="skip", **OPT))
     results = launch(spec, world, tmp_path, timeout_s=300)
     model = load_model(path)
     per = EXPERTS // world
-    for stage, res in zip((1, 2, 3), results):
+    for stage, res in zip((1, 2, 3), results[:3]):
         routes = [set(map(tuple, r)) for r in res["routes"]]
         for r, seen in enumerate(routes):  # rank r's tokens reached only its own experts
             assert seen and all(r * per <= e < (r + 1) * per for _, e in seen), (stage, r)
@@ -114,3 +122,15 @@ def test_zero_stages_with_disjoint_routing_finish_and_equal_one_process(world, t
         ref, ref_losses = reference(spec, world, hf, clip=0.5 if stage == 3 else 0.0)
         assert max_rel_diff(fused(res["masters"], model, hf), ref) <= TOLERANCE, stage
         assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses)) <= TOLERANCE
+    if world == 2:
+        skip = results[3]
+        assert skip["skips"] and all(".experts." in n for n in skip["skips"])  # some were skipped
+        ours = load_model(path)
+        set_untouched_experts(ours, "skip")
+        opt = torch.optim.AdamW(ours.parameters(), **OPT)
+        for ids in group_batches(spec, world):
+            lm_loss(ours, ids).backward()
+            opt.step()
+            opt.zero_grad()
+        want = {n: p.detach() for n, p in ours.named_parameters()}
+        assert max_rel_diff(skip["masters"], want) <= TOLERANCE

@@ -364,11 +364,15 @@ class BlockStepper:
         device buffer, a streamed block's host buffer and shared masters already hold them."""
         e = self.p
         kind = where[0]
-        if kind == "nvme":
+        if kind == "nvme":  # the file holds the block (stage 3: this rank's padded shard)
             streaming = e.streaming
             name = streaming.name(e.blocks[bi])
-            streaming.store.read_into(name, out16).wait()
-            e.links["weights_read"].add(out16.numel() * out16.element_size())
+            stored = streaming.store.info(name).nbytes // out16.element_size()
+            into = out16[:stored] if stored <= out16.numel() else torch.empty(stored, dtype=out16.dtype)
+            streaming.store.read_into(name, into).wait()
+            if into.data_ptr() != out16.data_ptr():
+                out16.copy_(into[:out16.numel()])
+            e.links["weights_read"].add(stored * out16.element_size())
         elif kind == "ring":
             base = e.weight_base(bi)
             lo, hi = e.owned(bi)
