@@ -257,14 +257,14 @@ def bench_train(reader, args) -> dict:
             engine.step()
             wall = time.perf_counter() - t0
         rep = engine.last_report
-        expert = sum(r.hi - r.lo for r in engine._experts[:1])
-        total, experts = sum(b.numel for b in engine.blocks), sum(r.hi - r.lo for r in engine._experts)
+        expert = sum(r.hi - r.lo for r in engine.experts[:1])
+        total, experts = sum(b.numel for b in engine.blocks), sum(r.hi - r.lo for r in engine.experts)
         return {"tier": "training", "tokens": args.train_tokens, "wall_s": wall, "setup_s": setup_s,
                 "forward_s": rep.forward_s, "backward_s": rep.backward_s, "cpu_step_s": rep.cpu_step_s,
                 "io_wait_s": rep.io_wait_s, "step_s": rep.step_s, "state_read": rep.bytes["nvme_read"],
                 "dense_plus_routed": 12 * (total - experts + expert * len(routed)),
                 "every_expert": 12 * total, "routed": len(routed),
-                "experts": len(engine._experts), "replayed": engine.replay.replayed - replayed0,
+                "experts": len(engine.experts), "replayed": engine.replay.replayed - replayed0,
                 "weights_read": rep.bytes["stream_disk"] + rep.bytes["weights_read"],
                 "peak_rss": peak_rss_bytes()}
     finally:

@@ -121,7 +121,7 @@ def test_state_read_is_dense_part_plus_routed_experts(semantics, checkpoint, tmp
     reads, expected, everything, replays = [], [], [], [0]
 
     def on_update(engine):
-        experts = sum(r.hi - r.lo for r in engine._experts)
+        experts = sum(r.hi - r.lo for r in engine.experts)
         total = sum(b.numel for b in engine.blocks)
         expected.append(12 * (total - experts + routed.take()))
         everything.append(12 * total)

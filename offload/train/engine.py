@@ -99,9 +99,10 @@ class Engine:
         self._pending = StepReport()
         self.stepper = BlockStepper(self.parts, self.counters)
         # "step" experts without tokens: their zero steps replayed lazily (the plan's; replay.py)
-        self._experts = expert_ranges(model, self.blocks)
+        # every routed expert's element range (offload/train/experts.py ExpertRange)
+        self.experts = expert_ranges(model, self.blocks)
         self.replay = (ExpertReplay(self.parts, self.stepper.kernel, self.counters.slot_skips,
-                                    self._experts) if self.plan.expert_replay == "lazy" else None)
+                                    self.experts) if self.plan.expert_replay == "lazy" else None)
         if self.replay is not None:
             self.replay.attach(model)
         # how the step meets backward: a policy object (offload/train/paths.py), the plan's
@@ -230,7 +231,7 @@ class Engine:
         # deferred to a replay (lazy), or stepped now from the landing's zeros (eager)
         missing = self.grads.missing()
         if self.replay is not None:
-            missing, self.updates.next_deferred = untouched_experts(self._experts, missing)
+            missing, self.updates.next_deferred = untouched_experts(self.experts, missing)
         self.updates.next_missing = drop_stepped(missing, self._zero_stepped)
         if self.zero is not None:  # average the gradients across ranks before anything reads them
             if self.reducer is not None:  # stages 0-1: every block's reduction issued first
