@@ -157,9 +157,11 @@ def eager(monkeypatch):
     monkeypatch.setattr(build, "decide_experts", lambda *a: ("eager", "forced by the test"))
 
 
-@pytest.mark.parametrize("mode,params,clip,accum", [("cpu", "none", 0.5, 2), ("nvme", "cpu", 0.0, 1)])
-def test_lazy_replay_is_bit_identical_to_eager_zero_steps(mode, params, clip, accum, checkpoint,
-                                                          tmp_path, monkeypatch):
+# (state, weights, clip, accumulation, exact_optimizer: torch's sqrt, or the C kernel's one pass)
+@pytest.mark.parametrize("mode,params,clip,accum,exact", [("cpu", "none", 0.5, 2, True),
+                                                          ("nvme", "cpu", 0.0, 1, False)])
+def test_lazy_replay_is_bit_identical_to_eager_zero_steps(mode, params, clip, accum, exact,
+                                                          checkpoint, tmp_path, monkeypatch):
     data = lm_batches(UPDATES * accum, VOCAB, seq=SEQ)
     out = {}
     for how in ("lazy", "eager"):
@@ -167,7 +169,7 @@ def test_lazy_replay_is_bit_identical_to_eager_zero_steps(mode, params, clip, ac
             eager(monkeypatch)
         model = load_model(checkpoint)
         cfg = _cfg(mode, tmp_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=clip,
-                   grad_accum_steps=accum, offload_params=params,
+                   grad_accum_steps=accum, offload_params=params, exact_optimizer=exact,
                    nvme_dir=str(tmp_path / f"swap-{how}"))
         engine = offload.initialize(model, cfg)
         try:
