@@ -13,7 +13,13 @@ hidden 1024, 32 experts of width 896, top-4; generated once into --dir), fp32, o
     engine reads exactly those expert ranges cold (O_DIRECT, one pass), and % of that floor;
     cache hit rate, prefetch precision and recall;
   * memory: RSS after loading with the experts on NVMe against in RAM, and the buffer pool's
-    bytes, which do not grow with the number of experts.
+    bytes, which do not grow with the number of experts;
+  * training (--train-tokens, 0: off; --only-train: this row alone, in a fresh process, so its
+    peak RSS is its own): one update of the same model, fp32, optimizer state and weights on
+    NVMe (--offload nvme --offload-params nvme), materialised block by block from the
+    checkpoint, after one warm-up update: peak RSS, the time split, and the optimizer-state bytes
+    read against the dense part + the routed experts' state (counted from the routers'
+    choices) and against every expert's.
 
 Usage: python scripts/bench_moe.py --dir /tmp/offload-bench/moe-1b --rounds 3
 """
@@ -217,6 +223,66 @@ def bench_nvme(reader, args) -> list[dict]:
     return rows
 
 
+def bench_train(reader, args) -> dict:
+    """One measured update (after a warm-up one) with state and weights on NVMe."""
+    import offload
+    from offload.memory.tiers import peak_rss_bytes
+    from offload.models import build_model
+    from offload.models.moe import SparseMoE
+    cfg = offload.OffloadConfig(offload="nvme", offload_params="nvme", dtype="fp32", device="cpu",
+                                nvme_dir=os.path.join(args.dir + "-train-swap"), lr=1e-5)
+    model = build_model(reader.config, "meta", torch.float32)
+    t0 = time.perf_counter()
+    engine = offload.initialize(model, cfg, source=reader)
+    setup_s = time.perf_counter() - t0
+    routed: set[tuple[int, int]] = set()
+
+    def route(moe, a, li):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                routed.update((li, int(e)) for e in moe.route(a[0].reshape(-1, a[0].shape[-1]))[1].flatten())
+    for li, layer in enumerate(model.model.layers):
+        next(m for m in layer.modules() if isinstance(m, SparseMoE)).register_forward_pre_hook(
+            lambda m, a, li=li: route(m, a, li))
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(2):  # the first warms up (and reads state the initialisation prefetched)
+            routed.clear()
+            replayed0 = engine.replay.replayed
+            ids = torch.randint(0, reader.config.vocab_size, (1, args.train_tokens), generator=g)
+            t0 = time.perf_counter()
+            logits = model(ids)[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            wall = time.perf_counter() - t0
+        rep = engine.last_report
+        expert = sum(r.hi - r.lo for r in engine.experts[:1])
+        total, experts = sum(b.numel for b in engine.blocks), sum(r.hi - r.lo for r in engine.experts)
+        return {"tier": "training", "tokens": args.train_tokens, "wall_s": wall, "setup_s": setup_s,
+                "forward_s": rep.forward_s, "backward_s": rep.backward_s, "cpu_step_s": rep.cpu_step_s,
+                "io_wait_s": rep.io_wait_s, "step_s": rep.step_s, "state_read": rep.bytes["nvme_read"],
+                "dense_plus_routed": 12 * (total - experts + expert * len(routed)),
+                "every_expert": 12 * total, "routed": len(routed),
+                "experts": len(engine.experts), "replayed": engine.replay.replayed - replayed0,
+                "weights_read": rep.bytes["stream_disk"] + rep.bytes["weights_read"],
+                "peak_rss": peak_rss_bytes()}
+    finally:
+        engine.close()
+
+
+def train_table(r: dict) -> str:
+    return "\n".join([
+        "| training, state + weights on NVMe | tokens | update s (fwd / bwd / CPU step / IO wait) "
+        "| state read | dense + routed | every expert | routed / experts (replayed) | weights read | peak RSS |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|",
+        f"| one update | {r['tokens']} | {r['wall_s']:.1f} ({r['forward_s']:.1f} / {r['backward_s']:.1f} / "
+        f"{r['cpu_step_s']:.1f} / {r['io_wait_s']:.1f}) | {format_bytes(r['state_read'])} | "
+        f"{format_bytes(r['dense_plus_routed'])} ({r['state_read'] / r['dense_plus_routed']:.2f}x) | "
+        f"{format_bytes(r['every_expert'])} | {r['routed']} / {r['experts']} ({r['replayed']}) | "
+        f"{format_bytes(r['weights_read'])} | {format_bytes(r['peak_rss'])} |"])
+
+
 def table(rows: list[dict]) -> str:
     out = ["| experts | what | batch | offload tok/s | transformers tok/s | ratio | tokens equal "
            "| weights read (memcpy) |", "|---|---|---:|---:|---:|---:|---|---:|"]
@@ -258,10 +324,21 @@ def main() -> None:
     p.add_argument("--skip-ram", action="store_true")
     p.add_argument("--predict-k", type=int, default=0,
                    help="experts per token the next-layer prediction names (0: top-k)")
+    p.add_argument("--train-tokens", type=int, default=8,
+                   help="tokens of the training row's update (0: no training row)")
+    p.add_argument("--only-train", action="store_true", help="the training row alone")
     p.add_argument("--output-json")
     args = p.parse_args()
     make_checkpoint(args.dir, args)
     t0 = time.time()
+    if args.only_train:
+        with CheckpointReader(args.dir) as reader:
+            row = bench_train(reader, args)
+        print(train_table(row))
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump({"rows": [row], "cpu": cpu_model(), "torch": torch.__version__}, f, indent=1)
+        return
     with CheckpointReader(args.dir) as reader:
         cfg = reader.config
         print(f"model: {num_params(cfg) / 1e9:.2f}B params, {num_active_params(cfg) / 1e9:.3f}B active, "
@@ -269,7 +346,12 @@ def main() -> None:
               f"{torch.get_num_threads()} threads, CPU: {cpu_model()}", file=sys.stderr, flush=True)
         rows = [] if args.skip_ram else bench_ram(reader, args.dir, args)
         rows += bench_nvme(reader, args)
-    print(table(rows))
+        if args.train_tokens:
+            rows.append(bench_train(reader, args))
+    print(table([r for r in rows if r["tier"] != "training"]))
+    for r in rows:
+        if r["tier"] == "training":
+            print("\n" + train_table(r))
     # memory flat in the number of experts: the pool is sized by read-ahead, prefetch and cache
     one = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     pools = {E: plan_experts(layers=cfg.num_hidden_layers, experts=E, expert_bytes=one, stored_expert_bytes=one,

@@ -153,6 +153,9 @@ class SparseMoE(nn.Module):
     torch steps transformers 5's fused expert tensors) or "skip" (no gradient, torch's
     semantics for one module per expert): offload/train/experts.py."""
     untouched_experts = "step"
+    # set by a training engine that replays untouched experts' steps lazily
+    # (offload/train/replay.py): called with the experts about to run, before any of them does
+    before_experts = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -214,6 +217,8 @@ class SparseMoE(nn.Module):
             counts = torch.bincount(flat, minlength=len(self.experts))
             hit = counts.nonzero().flatten().tolist()
             sizes = counts[hit].tolist()
+        if self.before_experts is not None:
+            self.before_experts(hit)
         xs = x[order % n]  # [k*N, H], grouped by expert
         grouped = self._grouped_weights()
         if grouped is not None:  # every expert in one arena: one grouped product per projection

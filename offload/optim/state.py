@@ -107,17 +107,29 @@ def split_units(numel: int, max_params: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def split_at(first: int, end: int, cuts: list[int], max_params: int) -> list[tuple[int, int]]:
+    """[lo, hi) units of the range [first, end): broken at every cut inside it (an expert's
+    boundary: each expert its own unit, offload/train/experts.py), then each piece by
+    split_units; empty when the range is."""
+    bounds = [first] + [c for c in sorted(set(cuts)) if first < c < end] + [end]
+    return [(a + lo, a + hi) for a, b in zip(bounds[:-1], bounds[1:]) if b > a
+            for lo, hi in split_units(b - a, max_params)]
+
+
 class NvmeState:
     """Optimizer state in swap files, moved through `buffer_count` staging sets.
 
     A block larger than `sub_group_params` is split into sub-groups (DeepSpeed's
     sub_group_size), each its own swap files and its own pass through a staging set: staging
     memory is bounded by the sub-group size, not by the largest block (a 70B model's
-    embedding is 0.5B parameters). The pipeline below works on these units."""
+    embedding is 0.5B parameters). `cuts`: per block, element offsets where a unit must end
+    (mixture-of-experts layers: each expert its own unit, so an expert without tokens is
+    neither read nor written). The pipeline below works on these units."""
 
     def __init__(self, blocks: list[Block], store, buffer_count: int, account: MemoryAccount,
                  read_link: LinkCounter, write_link: LinkCounter, prefetch: bool = True,
-                 sub_group_params: int = 1 << 25, ranges: list[tuple[int, int]] | None = None):
+                 sub_group_params: int = 1 << 25, ranges: list[tuple[int, int]] | None = None,
+                 cuts: list[list[int]] | None = None):
         from nvme import aligned_empty  # page-aligned: O_DIRECT reads/writes go straight in
 
         self.blocks = blocks
@@ -128,12 +140,12 @@ class NvmeState:
         self.unit_names: list[str] = []  # swap-name prefix of each unit
         self.unit_numel: list[int] = []
         self.block_units: list[list[tuple[int, int, int]]] = []
-        for b, (first, end) in zip(blocks, self.ranges):
+        for bi, (b, (first, end)) in enumerate(zip(blocks, self.ranges)):
             # a rank whose shard of a small block is empty keeps no files for it
-            parts = split_units(end - first, sub_group_params) if end > first else []
+            parts = split_at(first, end, cuts[bi] if cuts else [], sub_group_params)
             units = []
             for k, (lo, hi) in enumerate(parts):
-                units.append((len(self.unit_names), first + lo, first + hi))
+                units.append((len(self.unit_names), lo, hi))
                 self.unit_names.append(b.name if len(parts) == 1 else f"{b.name}.part{k}")
                 self.unit_numel.append(hi - lo)
             self.block_units.append(units)

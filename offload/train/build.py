@@ -36,11 +36,15 @@ from offload.zero.rest import RestGather, largest_module_numel
 from offload.lora import base_checkpoint_name
 from offload.stream.train import Stage3, StreamSettings, TrainingStreamer
 from offload.train.activations import ActivationStore, enable_activation_checkpointing
+from offload.train.experts import decide_experts, expert_cuts, expert_ranges
 from offload.train.parts import Grouping, LiveWeights, Parts, unit_order
 from offload.train.plan import TrainingPlan, plan_training, training_device
 from offload.zero.group import BlockReducer, ShardGather, ZeroGroup, ensure_process_group, rank_dir
 
-LINKS = ("d2h", "h2d", "nvme_read", "nvme_write", "stream_h2d", "stream_disk", "act_offload")
+# weights_read: a layer's 16-bit weights read back from their swap file by the step or an
+# expert replay (offload/train/replay.py), where some experts' units were not stepped
+LINKS = ("d2h", "h2d", "nvme_read", "nvme_write", "stream_h2d", "stream_disk", "act_offload",
+         "weights_read")
 
 
 def group(model: nn.Module, cfg: OffloadConfig) -> Grouping:
@@ -58,12 +62,21 @@ def plan_model(g: Grouping, cfg: OffloadConfig, source: Any) -> TrainingPlan:
     base (QLoRA) streams in its stored dtypes, a 16-bit one in the compute dtype."""
     frozen_layers, frozen_rest = frozen_bytes(g.module, g.block_list_path, cfg.torch_dtype,
                                               own_dtypes=hasattr(source, "layer_ranges"))
-    return plan_training([(b.numel, b.module is not None) for b in g.blocks], cfg, g.device,
+    plan = plan_training([(b.numel, b.module is not None) for b in g.blocks], cfg, g.device,
                          world=g.world, frozen_layer_bytes=frozen_layers,
                          frozen_resident_bytes=frozen_rest,
                          frozen_in_place=hasattr(source, "layer_ranges"),
                          rest_module_numel=largest_module_numel(
                              g.module, [b for b in g.blocks if b.module is None]))
+    # experts as their own state units, and how those without tokens are stepped (experts.py)
+    ranges = expert_ranges(g.module, g.blocks)
+    plan.unit_cuts = expert_cuts(ranges, len(g.blocks))
+    for r in ranges:
+        plan.expert_slots[r.block] = plan.expert_slots.get(r.block, frozenset()) | {
+            s.name for s in r.slots}
+    plan.expert_replay, plan.expert_replay_why = decide_experts(g.module, ranges, g.world,
+                                                                plan.step_path)
+    return plan
 
 
 def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
@@ -82,13 +95,14 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
     account = MemoryAccount()
     links = {k: LinkCounter() for k in LINKS}
     store = make_store(cfg, g, plan)
-    state = make_state(cfg, g, store, account, links)
+    state = make_state(cfg, g, store, account, links, plan.unit_cuts)
     smallest = min(b.numel for b in g.blocks) * cfg.torch_dtype.itemsize
     with large_frees_to_os(smallest):  # RSS must not grow with the number of blocks (tiers.py)
         placed = _Placement(g, plan, state, store, account).place(source)
     act_store, checkpointed = _enable_checkpointing(cfg, g)
     if isinstance(state, NvmeState):
-        state.end_step(unit_order(state, g.step_order()), 0)  # init state durable + first prefetch
+        # init state durable + first prefetch (experts' units are read when routed to)
+        state.end_step(unit_order(state, g.step_order(), g.blocks, plan.expert_slots), 0)
     grads = make_grads(g, plan, account, links)
     # stages 0-1 across ranks: each block's gradient averaged once final (offload/zero/group.py)
     reducer = (BlockReducer(g.zero, grads.buffer, [b.numel for b in g.blocks], g.step_order())
@@ -104,14 +118,16 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
 
 
 def make_state(cfg: OffloadConfig, g: Grouping, store, account: MemoryAccount,
-               links: dict[str, LinkCounter]) -> ResidentState | NvmeState:
+               links: dict[str, LinkCounter], cuts: list[list[int]] | None = None
+               ) -> ResidentState | NvmeState:
     """The masters and Adam moments of this rank's range of each block, in their tier."""
     ranges = [g.owned(bi) for bi in range(len(g.blocks))]
     if cfg.offload == "nvme":
         return NvmeState(g.blocks, store, cfg.buffer_count, account,
                          links["nvme_read"], links["nvme_write"],
                          prefetch=cfg.prefetch_optimizer_state,
-                         sub_group_params=cfg.sub_group_size, ranges=ranges)
+                         sub_group_params=cfg.sub_group_size, ranges=ranges,
+                         cuts=cuts)
     tier = "device" if cfg.offload == "none" else "host"
     # never pinned: the CPU kernel reads and writes masters and moments in place; they never
     # cross the link, and pinning them would spend the pinned-memory cap on them instead of

@@ -32,9 +32,10 @@ from offload.train import build, state as engine_state
 from offload.train.counters import TrainingCounters
 from offload.train.delayed import Delayed
 from offload.train.errors import NonFiniteError, StateError
-from offload.train.experts import drop_stepped, zero_gradient_slots
+from offload.train.experts import drop_stepped, expert_ranges, untouched_experts, zero_gradient_slots
 from offload.train.parts import Parts
 from offload.train.paths import AfterBackward, Overlapped
+from offload.train.replay import ExpertReplay
 from offload.train.stepper import BlockStepper, StepReport, Updates
 
 
@@ -97,6 +98,13 @@ class Engine:
         self.last_report = StepReport()
         self._pending = StepReport()
         self.stepper = BlockStepper(self.parts, self.counters)
+        # "step" experts without tokens: their zero steps replayed lazily (the plan's; replay.py)
+        # every routed expert's element range (offload/train/experts.py ExpertRange)
+        self.experts = expert_ranges(model, self.blocks)
+        self.replay = (ExpertReplay(self.parts, self.stepper.kernel, self.counters.slot_skips,
+                                    self.experts) if self.plan.expert_replay == "lazy" else None)
+        if self.replay is not None:
+            self.replay.attach(model)
         # how the step meets backward: a policy object (offload/train/paths.py), the plan's
         self.path: AfterBackward = {"after": AfterBackward, "overlapped": Overlapped,
                                     "delayed": Delayed}[self.plan.step_path](
@@ -219,8 +227,12 @@ class Engine:
         self.grads.finish_window()
         if self.grads.sharded:  # stage 2-3: waiting for the window's last reductions
             rep.comm_wait_s += time.perf_counter() - t0
-        # experts without tokens that a fused layout steps with zeros (offload/train/experts.py)
-        self.updates.next_missing = drop_stepped(self.grads.missing(), self._zero_stepped)
+        # experts without tokens that a fused layout steps with zeros (offload/train/experts.py):
+        # deferred to a replay (lazy), or stepped now from the landing's zeros (eager)
+        missing = self.grads.missing()
+        if self.replay is not None:
+            missing, self.updates.next_deferred = untouched_experts(self.experts, missing)
+        self.updates.next_missing = drop_stepped(missing, self._zero_stepped)
         if self.zero is not None:  # average the gradients across ranks before anything reads them
             if self.reducer is not None:  # stages 0-1: every block's reduction issued first
                 self.reducer.issue_rest()
@@ -229,6 +241,8 @@ class Engine:
             if self.reducer is not None:  # stages 0-1: the blocks not reduced during backward
                 rep.comm_wait_s += self.reducer.finish()
         applied = self.path.step(rep)
+        if applied and self.replay is not None:
+            self.replay.defer(self.updates.current)
         # every rank's new shard to every rank (a delayed update's when it goes live)
         if applied and self.gathers_weights and not rep.delayed:
             rep.comm_wait_s += self.zero.gather_weights(self.flat16_padded, self.parts.step_order())
@@ -271,6 +285,7 @@ class Engine:
     def master_params(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 CPU tensor}: the current master weights (copies)."""
         self.join_delayed()
+        self.settle_experts()
         out: dict[str, torch.Tensor] = {}
         for bi, block in enumerate(self.blocks):
             flat = self.parts.read_state(bi, "master")
@@ -281,6 +296,7 @@ class Engine:
         """(name, fp32 CPU tensor) one block at a time — the non-layer block first, then the
         layers in order (checkpoint order) — so exporting a model holds one block in memory."""
         self.join_delayed()
+        self.settle_experts()
         order = [i for i, b in enumerate(self.blocks) if b.module is None] + \
                 [i for i, b in enumerate(self.blocks) if b.module is not None]
         for bi in order:
@@ -291,6 +307,7 @@ class Engine:
     def optimizer_state(self, bi: int) -> dict[str, torch.Tensor]:
         """Copies of block bi's flat fp32 state: master, exp_avg, exp_avg_sq."""
         self.join_delayed()
+        self.settle_experts()
         return {k: self.parts.read_state(bi, k) for k in engine_state.KINDS}
 
     @property
@@ -302,6 +319,12 @@ class Engine:
     def delayed(self) -> Delayed | None:
         """The delayed step path (its pending job and shadow weights), when configured."""
         return self.path if isinstance(self.path, Delayed) else None
+
+    def settle_experts(self) -> None:
+        """Replay every untouched expert's recorded zero steps (lazy replay, replay.py): the
+        state is then what stepping every expert every update would hold."""
+        if self.replay is not None:
+            self.replay.settle()
 
     def join_delayed(self) -> None:
         """Wait for step work still running on the step thread (a delayed update's job)."""
@@ -340,11 +363,14 @@ class Engine:
     def save_state(self, directory: str) -> None:
         """Write masters, moments and counters into `directory` (atomically, json last). Only
         whole updates are saved: call at an accumulation boundary."""
+        self.settle_experts()
         engine_state.save_state(self.parts, self.updates, self.path, directory)
 
     def load_state(self, directory: str) -> None:
         """Restore what save_state wrote; refuses a state saved from a different model."""
         engine_state.load_state(self.parts, self.updates, self.path, directory)
+        if self.replay is not None:
+            self.replay.clear()  # a saved state holds no recorded steps (settled first)
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes per tier by kind (weights, masters, moments, grads, buffers), with peaks, plus
@@ -371,6 +397,8 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.replay is not None:
+            self.replay.detach()
         self.parts.close(after_error=after_error)
 
     def __enter__(self) -> "Engine":

@@ -86,9 +86,20 @@ class Grouping:
         return layers[::-1] + rest
 
 
-def unit_order(state: ResidentState | NvmeState, step_order: list[int]) -> list[int]:
-    """Optimizer-state units (sub-groups of blocks) in the order the step consumes them."""
-    return [u for bi in step_order for u, _, _ in state.units_of(bi)]
+def unit_steps(block: Block, lo: int, hi: int, skipped: set[str] | frozenset[str] | None) -> bool:
+    """Elements [lo, hi) of `block` (one optimizer-state unit) hold a parameter that is stepped:
+    one not in `skipped` (the slots not stepped this update)."""
+    return not skipped or any(s.name not in skipped and s.offset < hi and s.offset + s.numel > lo
+                              for s in block.slots)
+
+
+def unit_order(state: ResidentState | NvmeState, step_order: list[int],
+               blocks: list[Block] | None = None,
+               skipped: dict[int, set[str]] | dict[int, frozenset[str]] | None = None) -> list[int]:
+    """Optimizer-state units (sub-groups of blocks) in the order the step consumes them; with
+    `skipped` (block -> slots not stepped), the units holding nothing else left out."""
+    return [u for bi in step_order for u, lo, hi in state.units_of(bi)
+            if not skipped or unit_steps(blocks[bi], lo, hi, skipped.get(bi))]
 
 
 class LiveWeights:
@@ -168,9 +179,13 @@ class Parts(Grouping):
         streamer = getattr(self.streaming, "streamer", None)
         return sum(s.raw.numel() * s.raw.element_size() for s in streamer.slots) if streamer else 0
 
-    def unit_order(self) -> list[int]:
-        """Optimizer-state units (sub-groups of blocks) in the order the step consumes them."""
-        return unit_order(self.state, self.step_order())
+    def unit_order(self, skipped: dict[int, set[str]] | None = None) -> list[int]:
+        """Optimizer-state units (sub-groups of blocks) in the order the step consumes them.
+        `skipped`: the slots this update does not step (experts without tokens), whose units
+        are left out; None (not known yet: the next update's read-ahead, an overlapped update
+        begun in backward): every expert's unit left out -- each is read when it is stepped."""
+        return unit_order(self.state, self.step_order(), self.blocks,
+                          self.plan.expert_slots if skipped is None else skipped)
 
     def read_state(self, bi: int, kind: str) -> torch.Tensor:
         """A CPU copy of block bi's whole flat fp32 state of `kind`; across ranks at stages

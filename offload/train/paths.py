@@ -99,7 +99,7 @@ class Overlapped(AfterBackward):
             return
         # the update's math needs nothing global (no clipping, no overflow check), so it is
         # fixed now and each block is stepped by the step thread as its final gradients land
-        self.updates.begin(1.0)
+        self.updates.begin(1.0, known=False)  # which experts got no tokens: known at step()
         self.poisoned = None
         self.job_rep = StepReport()
         self.jobs = []
@@ -172,6 +172,7 @@ class Overlapped(AfterBackward):
                 f"stepped")
         update = self.updates.current
         update.missing = self.updates.take_missing()  # blocks not stepped yet may miss slots
+        update.deferred = self.updates.take_deferred()  # ... or experts without tokens
         o = self.job_rep
         rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
         rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s

@@ -51,6 +51,13 @@ class TrainingPlan:
     grad_pool: int = 0  # the pool buffers of "pooled" landing
     shares_masters: bool = False  # resident 16-bit weights are views of their fp32 masters
     upload_ring: int = 0  # pinned slots new weights are uploaded from (0: no upload ring)
+    # mixtures of experts (offload/train/experts.py): per block, where optimizer-state units
+    # end (each expert its own unit) and the expert slots, whose units an update without
+    # tokens for them does not touch; how "step" experts without tokens are stepped, and why
+    unit_cuts: list[list[int]] | None = None
+    expert_slots: dict[int, frozenset[str]] = field(default_factory=dict)
+    expert_replay: str = "none"  # "lazy" | "eager" | "none"
+    expert_replay_why: str = ""
 
     def total(self, tier: str) -> int:
         return sum(self.bytes.get(tier, {}).values())

@@ -32,7 +32,7 @@ from offload.gpu import compute_stream_delay, host_event, on_stream, side_stream
 from offload.optim.adamw import cpu_adamw_step
 from offload.memory.tiers import host_empty
 from offload.train.counters import TrainingCounters
-from offload.train.parts import Parts
+from offload.train.parts import Parts, unit_steps
 
 
 @dataclass
@@ -77,12 +77,20 @@ class Update:
     # block -> its slots that got no gradient in the window (known at step(); the overlapped
     # path begins before it and fills this in then)
     missing: dict[int, set[str]] = field(default_factory=dict)
+    # block -> slots of "step" experts without tokens whose zero-gradient step is replayed
+    # later (offload/train/replay.py): not stepped now, their step count moves on
+    deferred: dict[int, set[str]] = field(default_factory=dict)
     weights_out: list[torch.Tensor] | None = None  # None: the live device buffers (flat16)
     # slot name -> (lr, weight_decay) where a parameter group differs from (lr,
     # cfg.weight_decay): torch.optim's per-group values (offload/train/torch_optim.py)
     hyper: dict[str, tuple[float, float]] = field(default_factory=dict)
     stepped: set[int] = field(default_factory=set)
     k: int = 0  # blocks stepped so far: rotates the rings
+
+    def skipped(self) -> dict[int, set[str]]:
+        """Block -> its slots this update does not step (missing or deferred)."""
+        return {bi: self.missing.get(bi, set()) | self.deferred.get(bi, set())
+                for bi in self.missing.keys() | self.deferred.keys()}
 
 
 class Updates:
@@ -97,6 +105,7 @@ class Updates:
         self.lr = lr
         self.current: Update | None = None  # the update being applied, from begin() on
         self.next_missing: dict[int, set[str]] = {}
+        self.next_deferred: dict[int, set[str]] = {}  # Update.deferred of the next update
         self.loss_finite: list[torch.Tensor] = []  # 0-d bools of this window's losses
         # per-slot (lr, weight_decay) for the next update (Update.hyper); {}: every slot the same
         self.hyper: dict[str, tuple[float, float]] = {}
@@ -158,20 +167,26 @@ class Updates:
                        else p.grads.buffer(bi)[lo:hi])
         return out
 
-    def begin(self, grad_scale: float) -> Update:
+    def begin(self, grad_scale: float, known: bool = True) -> Update:
         """The next update, fixed now (step number, lr, gradient scale); the stepper applies it
-        block by block, from whichever thread the step path uses."""
+        block by block, from whichever thread the step path uses. `known`: the slots without a
+        gradient are (not when begun in backward): only then are the experts' state units
+        that will be stepped read ahead."""
         p = self.parts
         self.counters.global_step += 1
         self.current = Update(step=self.counters.global_step, lr=self.lr, grad_scale=grad_scale,
                               io0=p.state.io_wait_s, missing=self.take_missing(),
-                              hyper=self.hyper)
+                              deferred=self.take_deferred(), hyper=self.hyper)
         if p.cuda:
             # the H2D stream overwrites device weights that backward's kernels may still be
             # reading: order it after everything issued so far on the compute stream
             p.h2d_stream.wait_stream(torch.cuda.current_stream(p.device))
-        p.state.begin_step(p.unit_order())
+        p.state.begin_step(p.unit_order(self.current.skipped() if known else None))
         return self.current
+
+    def take_deferred(self) -> dict[int, set[str]]:
+        deferred, self.next_deferred = self.next_deferred, {}
+        return deferred
 
     def take_missing(self) -> dict[int, set[str]]:
         """This update's slots without a gradient (found at step()): not stepped, and their
@@ -203,6 +218,18 @@ def torch_adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: to
     master.addcdiv_(exp_avg, denom, value=-lr / bc1)
     if out16 is not None:
         out16.copy_(master)
+
+
+def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) outside the sorted, disjoint `covered` ranges."""
+    out, at = [], lo
+    for a, b in covered:
+        if a > at:
+            out.append((at, min(a, hi)))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return [(a, b) for a, b in out if b > a]
 
 
 class BlockStepper:
@@ -246,7 +273,12 @@ class BlockStepper:
         whole_base = next(iter(pieces))
         segments = self._segments(u, bi, per_slot)
         fp32 = e.dtype == torch.float32
-        for unit, lo, hi in e.state.units_of(bi):  # sub-groups of a large block, in order
+        skipped = u.missing.get(bi, set()) | u.deferred.get(bi, set())
+        units = [(unit, lo, hi) for unit, lo, hi in e.state.units_of(bi)
+                 if unit_steps(e.blocks[bi], lo, hi, skipped)]
+        if len(units) < len(e.state.units_of(bi)):  # experts without tokens: state untouched
+            self._fill_unstepped(u, bi, out16, where, units)
+        for unit, lo, hi in units:  # sub-groups of a large block (and experts), in order
             master, exp_avg, exp_avg_sq = e.state.acquire(unit)
             t0 = time.perf_counter()
             for begin, end, step, lr, wd in segments or [(lo, hi, u.step, u.lr, cfg.weight_decay)]:
@@ -281,7 +313,7 @@ class BlockStepper:
         decay), when its slots do not all share the update's step number and hyper-parameters
         or `per_slot` asks for them (neighbours that agree merged but for `per_slot`); None
         (one kernel call) otherwise."""
-        missing = u.missing.get(bi, ())
+        missing = u.missing.get(bi, set()) | u.deferred.get(bi, set())
         skips = self.counters.slot_skips
         slots = self.p.blocks[bi].slots
         if not per_slot and not missing and not any(
@@ -323,6 +355,31 @@ class BlockStepper:
                 shards.homes_written(e.device)
             rep.upload_s += time.perf_counter() - t0
         rep.io_wait_s += e.state.io_wait_s - u.io0
+
+    def _fill_unstepped(self, u: Update, bi: int, out16: torch.Tensor, where: tuple[str, int],
+                        stepped: list[tuple[int, int, int]]) -> None:
+        """Where the new weights go out whole from a ring slot, the elements of the units not
+        stepped (experts without tokens: their state is not read) hold their current weights:
+        the layer's weights file read back (nvme tier), the device's copy (upload ring). The
+        device buffer, a streamed block's host buffer and shared masters already hold them."""
+        e = self.p
+        kind = where[0]
+        if kind == "nvme":  # the file holds the block (stage 3: this rank's padded shard)
+            streaming = e.streaming
+            name = streaming.name(e.blocks[bi])
+            stored = streaming.store.info(name).nbytes // out16.element_size()
+            into = out16[:stored] if stored <= out16.numel() else torch.empty(stored, dtype=out16.dtype)
+            streaming.store.read_into(name, into).wait()
+            if into.data_ptr() != out16.data_ptr():
+                out16.copy_(into[:out16.numel()])
+            e.links["weights_read"].add(stored * out16.element_size())
+        elif kind == "ring":
+            base = e.weight_base(bi)
+            lo, hi = e.owned(bi)
+            done = [(a, b) for _, a, b in stepped]
+            device = self._device_weights(u, bi)
+            for a, b in _gaps(lo, hi, done):
+                out16[a - base:b - base].copy_(device[a - base:b - base])
 
     def _target(self, u: Update, bi: int) -> tuple[torch.Tensor, tuple[str, int]]:
         """Where the step writes block bi's new weights (compute dtype), and how they move on
