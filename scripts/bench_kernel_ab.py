@@ -56,6 +56,7 @@ def build(source: Path, name: str, out_dir: Path) -> quant_cpu._Lib:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default="HEAD", help="git ref of the older source")
+    ap.add_argument("--after", default=str(ROOT / SOURCE), help="the newer source file (default: the working tree's)")
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--shapes", default="576x576,1536x576,576x1536,192x576",
@@ -68,7 +69,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         old_src = Path(tmp) / "before.c"
         old_src.write_text(subprocess.check_output(["git", "-C", str(ROOT), "show", f"{args.before}:{SOURCE}"], text=True))
-        libs = {"before": build(old_src, "before", Path(tmp)), "after": build(ROOT / SOURCE, "after", Path(tmp))}
+        libs = {"before": build(old_src, "before", Path(tmp)), "after": build(Path(args.after), "after", Path(tmp))}
         gen = torch.Generator().manual_seed(0)
         print(f"int{args.bits} g{args.group}, {args.rows} row(s), 1 thread, {args.rounds} rounds, medians (us)")
         print(f"{'shape':>10} {'before':>9} {'after':>9} {'after/before':>13}  max rel err (after)")
