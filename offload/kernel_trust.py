@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from offload import cbuild
 from offload.cbuild import cache_dir, cpu_identity
 
 # A hang is a failed check: a child gets CHILD_START_S to load torch and the probe (a loaded
@@ -68,6 +69,16 @@ def check(probe: str, cases: Sequence[Case]) -> dict[Case, str | None]:
                 _write_record(record, {**_read_record(record),
                                        **{_case_key(c): why for c, why in fresh.items()}})
         return {c: _known[(probe, c)] for c in cases}
+
+
+def build_library(name: str, source: Path, flags: list[str], bind, self_check, probe: str):
+    """cbuild.build of a C kernel library whose every build is first checked in a child by
+    `probe` (called with the case (path,)), then self-checked in this process: (bound, why)."""
+    try:
+        return cbuild.build(name, source, flags, bind, self_check,
+                            verify=lambda path: verdict(probe, (str(path),)))
+    except OSError as exc:
+        return None, f"cannot build: {exc}"
 
 
 def verdict(probe: str, case: Case) -> str | None:

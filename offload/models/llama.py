@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from offload.models.attention import attend
+from offload.models.decode_step import fused_forward
 from offload.models.config import ModelConfig, block_prefix
 from offload.models.families import moe_names
 from offload.models.mla import LatentAttention
@@ -226,6 +227,10 @@ class DecoderLayer(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, kv_start: int = 0) -> torch.Tensor:
         """hidden [B, T, H]; cos/sin [B, T, R]; mask None or bool [B, 1, T, S] (True = attend);
         kv: this layer's (keys, values) cache buffers [B, kvh, max_len, D], filled up to kv_start."""
+        if hidden.shape[1] == 1:  # one new token: the quantized block in one C call where it applies
+            out = fused_forward(self, hidden, cos, sin, mask, kv, kv_start)
+            if out is not None:
+                return out
         mlp = self._modules[self.ffn_name]
         if self.sandwich:
             attn = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, kv, kv_start)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from offload import cbuild, kernel_trust
+from offload import kernel_trust
 from offload.quant.format import QuantSpec, dequantize, quantize
 
 ROWS_MAX = {8: 16, 4: 16}  # bits -> most rows this kernel takes unmeasured (module docstring)
@@ -107,12 +107,8 @@ def library() -> _Lib | None:
     """The loaded kernel, or None (why: `status()`); built at most once per process."""
     with _lock:
         if "lib" not in _state:
-            try:
-                _state["lib"], _state["why"] = cbuild.build(
-                    "quant_gemv", _SOURCE, _FLAGS, _Lib, _self_check,
-                    verify=lambda path: kernel_trust.verdict(LIBRARY_PROBE, (str(path),)))
-            except OSError as exc:
-                _state["lib"], _state["why"] = None, f"cannot build: {exc}"
+            _state["lib"], _state["why"] = kernel_trust.build_library(
+                "quant_gemv", _SOURCE, _FLAGS, _Lib, _self_check, LIBRARY_PROBE)
         return _state["lib"]
 
 
