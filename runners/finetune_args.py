@@ -14,8 +14,8 @@ import torch
 from offload.lora import SHORT_TARGETS, LoraConfig, LoraError
 from runners.common import GROUP_SIZE_HELP, Parser, dtype_label, fail, group_size_arg, select_dtype
 
-DESCRIPTION = ("fine-tune a Llama, Mistral, Qwen2/3, Gemma 2/3 or Phi-3/4 model with offloaded "
-               "optimizer state")
+DESCRIPTION = ("fine-tune a Llama, Mistral, Qwen2/3, Gemma 2/3 or Phi-3/4 model, or a mixture of "
+               "experts (Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3), with offloaded optimizer state")
 
 DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size=16,
                 micro_batch_size=None, seq_len=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,

@@ -18,24 +18,31 @@ from conftest import load_script, ram_swap_dir
 from runners import finetune, infer
 
 
-@pytest.fixture(scope="module")
-def finetuned(smollm2_gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("chat-loop")
+def finetune_on_chat_example(model: str, out, *flags: str) -> str:
+    """runners.finetune on the README's example data (scripts/make_chat_example.py) with the
+    optimizer state on NVMe (swap files in RAM, see ram_swap_dir), exported to out/run; what it
+    printed."""
     data = out / "veloria.jsonl"
     load_script("make_chat_example").write(str(data))  # the README's example data
     printed = io.StringIO()
     swap = ram_swap_dir(out)
     try:
         with contextlib.redirect_stdout(printed):
-            rc = finetune.main(["--model", smollm2_gguf, "--data", str(data), "--offload", "nvme",
-                                "--offload-dir", swap, "--steps", "6", "--batch-size", "4",
-                                "--seq-len", "64", "--lr", "5e-4", "--warmup-steps", "1",
-                                "--eval-every", "0", "--output", str(out / "run"), "--no-progress",
-                                "--no-final-checkpoint"])
+            rc = finetune.main(["--model", model, "--data", str(data), "--offload", "nvme",
+                                "--offload-dir", swap, *flags, "--eval-every", "0",
+                                "--output", str(out / "run"), "--no-progress", "--no-final-checkpoint"])
     finally:
         shutil.rmtree(swap, ignore_errors=True)
-    assert rc == 0
-    banner = printed.getvalue().split("memory plan")[0]
+    assert rc == 0, printed.getvalue()[-2000:]
+    return printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def finetuned(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("chat-loop")
+    printed = finetune_on_chat_example(smollm2_gguf, out, "--steps", "6", "--batch-size", "4",
+                                       "--seq-len", "64", "--lr", "5e-4", "--warmup-steps", "1")
+    banner = printed.split("memory plan")[0]
     assert "GGUF checkpoint" in banner and "random init" not in banner, banner
     return out / "run"
 
