@@ -342,9 +342,20 @@ def test_the_conversion_cache_is_keyed_by_content_and_checked_on_read(tmp_path, 
     with held_lock(target + ".lock", "test", 5):  # as a converting process holds it
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
-        time.sleep(3)
-        assert child.poll() is None and not os.path.exists(target)  # waiting, not converting
+        # until the child says it waits (its imports alone take ~4 s on a 2-core VM: a fixed
+        # sleep raced them), then it must still be waiting, not converting
+        import select
+        seen, deadline = [], time.time() + 120
+        while not any("is converting" in line for line in seen) and time.time() < deadline:
+            if select.select([child.stderr], [], [], 1.0)[0]:
+                line = child.stderr.readline()
+                if not line:
+                    break
+                seen.append(line)
+        time.sleep(0.5)
+        assert child.poll() is None and not os.path.exists(target), seen  # waiting, not converting
     out, err = child.communicate(timeout=120)
+    err = "".join(seen) + err
     assert child.returncode == 0 and "is converting" in err, err
     assert out.strip() == target and os.path.isfile(os.path.join(target, "config.json"))
 

@@ -274,6 +274,11 @@ class BlockStepper:
         segments = self._segments(u, bi, per_slot)
         fp32 = e.dtype == torch.float32
         skipped = u.missing.get(bi, set()) | u.deferred.get(bi, set())
+        # a unit with nothing to step is left unread only where out16 already holds its weights
+        # or _fill_unstepped fills them; a delayed update's shadow set (weights_out) lags by an
+        # update, so there the unit is read and its masters copied out as before
+        if u.weights_out is not None and where[0] in ("direct", "shared", "host"):
+            skipped = set()
         units = [(unit, lo, hi) for unit, lo, hi in e.state.units_of(bi)
                  if unit_steps(e.blocks[bi], lo, hi, skipped)]
         if len(units) < len(e.state.units_of(bi)):  # experts without tokens: state untouched
