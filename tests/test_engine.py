@@ -70,14 +70,24 @@ def reference_train(model, batches, loss_fn, *, lr, betas, eps, wd, clip, accum,
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-def engine_train(model, batches, loss_fn, cfg, source=None):
-    engine = offload.initialize(model, cfg, source=source)
+def run_updates(engine, model, batches, loss_fn, on_update=None) -> tuple[list[float], int]:
+    """engine.backward / engine.step over `batches`: (the losses, the updates applied);
+    on_update(engine) after each applied update."""
     losses, applied = [], 0
     for batch in batches:
         loss = loss_fn(model, batch)
         engine.backward(loss)
         losses.append(loss.item())
-        applied += engine.step()
+        if engine.step():
+            applied += 1
+            if on_update is not None:
+                on_update(engine)
+    return losses, applied
+
+
+def engine_train(model, batches, loss_fn, cfg, source=None):
+    engine = offload.initialize(model, cfg, source=source)
+    losses, applied = run_updates(engine, model, batches, loss_fn)
     masters = engine.master_params()
     return engine, masters, losses, applied
 

@@ -149,6 +149,25 @@ def test_base_on_meta_is_filled_from_the_source(params, tmp_path):
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
 
 
+def dequantized_reference(reader, blocks) -> torch.nn.Module:
+    """A plain fp32 model of `reader`'s checkpoint on the CPU whose projections hold the
+    dequantized weights of the quantized `blocks` (quantize_checkpoint's): what a QLoRA base
+    computes, as a reference for LoRA over it."""
+    from safetensors.torch import load_file
+
+    from offload.models.quantized import block_file
+    from offload.quant.format import dequantize
+    model = build_model(reader.config, device="cpu", source=reader)
+    for i, layer in enumerate(model.model.layers):
+        stored = load_file(block_file(blocks.path, i))
+        for proj, spec in blocks.specs[i].items():
+            lin = layer.get_submodule(proj)
+            parts = {k: stored[f"{proj}.{k}"] for k in ("qweight", "scales", "mins")}
+            with torch.no_grad():
+                lin.weight.copy_(dequantize(parts, spec, lin.in_features, torch.float32))
+    return model
+
+
 @pytest.mark.parametrize("params,ckpt", [("cpu", True), ("nvme", False), ("none", True)])
 def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
     """QLoRA: the base's projections are int4 blocks (offload/models/quantized.py), streamed as
@@ -156,12 +175,8 @@ def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
     recompute and backward, or loaded once onto the device (offload_params "none"), dequantized
     at each product; the adapters train exactly as over a plain base holding the dequantized
     weights, with torch's AdamW(fused=True)."""
-    from safetensors.torch import load_file
-
     from offload.models import CheckpointReader, save_pretrained
-    from offload.models.quantized import (QuantizedSource, QuantSettings, block_file,
-                                          quantize_checkpoint, quantize_layers)
-    from offload.quant.format import dequantize
+    from offload.models.quantized import QuantizedSource, QuantSettings, quantize_checkpoint, quantize_layers
 
     cfg_model = preset("tiny")
     lora = LoraConfig(rank=4, alpha=8, targets=("q", "v", "down"))
@@ -171,14 +186,7 @@ def test_qlora_over_a_streamed_int4_base(params, ckpt, tmp_path):
         blocks = quantize_checkpoint(reader, QuantSettings("int4", 32), torch.float32,
                                      cache_root=str(tmp_path / "cache"))
         # the reference: a plain model whose projections hold the dequantized int4 weights
-        ref_model = build_model(cfg_model, device="cpu", source=reader)
-        for i, layer in enumerate(ref_model.model.layers):
-            stored = load_file(block_file(blocks.path, i))
-            for proj, spec in blocks.specs[i].items():
-                lin = layer.get_submodule(proj)
-                parts = {k: stored[f"{proj}.{k}"] for k in ("qweight", "scales", "mins")}
-                with torch.no_grad():
-                    lin.weight.copy_(dequantize(parts, spec, lin.in_features, torch.float32))
+        ref_model = dequantized_reference(reader, blocks)
         apply_lora(ref_model, lora, seed=1)
         ref, ref_losses = reference_train(ref_model, batches, hf_loss, lr=1e-2, betas=(0.9, 0.99),
                                           eps=1e-8, wd=0.01, clip=0.0, accum=1, fused=True)

@@ -30,7 +30,7 @@ from offload.models import load_model  # noqa: E402
 from offload.models.moe import SparseMoE  # noqa: E402
 from offload.train import build  # noqa: E402
 from offload.train.experts import set_untouched_experts  # noqa: E402
-from test_engine import _cfg, hf_loss, lm_batches, max_rel_diff  # noqa: E402
+from test_engine import _cfg, hf_loss, lm_batches, max_rel_diff, run_updates  # noqa: E402
 from test_moe_train import BETAS, EPS, LR, TOLERANCE, WD, fused, max_rel, one_thread, train  # noqa: E402,F401
 
 VOCAB, EXPERTS, UPDATES, SEQ = 97, 32, 6, 4
@@ -95,14 +95,8 @@ def run(model, cfg, data, on_update=None):
     """The usual loop; on_update(engine) after each applied update. Returns (masters, losses,
     engine) with the engine closed."""
     engine = offload.initialize(model, cfg)
-    losses = []
     try:
-        for ids in data:
-            loss = hf_loss(model, ids)
-            engine.backward(loss)
-            losses.append(loss.item())
-            if engine.step() and on_update is not None:
-                on_update(engine)
+        losses, _ = run_updates(engine, model, data, hf_loss, on_update)
         return engine.master_params(), losses, engine
     finally:
         engine.close()
@@ -174,12 +168,7 @@ def test_lazy_replay_is_bit_identical_to_eager_zero_steps(mode, params, clip, ac
         engine = offload.initialize(model, cfg)
         try:
             assert engine.plan.expert_replay == how
-            losses = []
-            for ids in data:
-                loss = hf_loss(model, ids)
-                engine.backward(loss)
-                losses.append(loss.item())
-                engine.step()
+            losses, _ = run_updates(engine, model, data, hf_loss)
             pending = len(engine.replay.pending) if engine.replay is not None else 0
             state = [engine.optimizer_state(bi) for bi in range(len(engine.blocks))]
             out[how] = (engine.master_params(), state, losses, pending)

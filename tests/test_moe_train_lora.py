@@ -79,13 +79,10 @@ def test_qlora_over_int4_experts_equals_lora_over_the_dequantized_base(name, par
     """Every projection of the base -- each expert's too -- int4 blocks streamed as stored and
     dequantized at each product; the adapters train exactly as over a plain base holding the
     dequantized weights."""
-    from safetensors.torch import load_file
-
     from offload.models import CheckpointReader, build_model
-    from offload.models.quantized import (QuantizedSource, QuantSettings, block_file,
-                                          quantize_checkpoint, quantize_layers)
-    from offload.quant.format import dequantize
+    from offload.models.quantized import QuantizedSource, QuantSettings, quantize_checkpoint, quantize_layers
     from test_engine import engine_train, max_rel_diff, reference_train
+    from test_lora_engine import dequantized_reference
 
     data = lm_batches(UPDATES, VOCAB, seq=SEQ)
     opt = dict(lr=LR, betas=BETAS, eps=EPS, wd=WD)
@@ -94,14 +91,7 @@ def test_qlora_over_int4_experts_equals_lora_over_the_dequantized_base(name, par
                                      cache_root=str(tmp_path / "cache"))
         experts = [p for p in blocks.specs[0] if ".experts." in p]
         assert len(experts) == 3 * reader.config.num_experts  # the experts are int4 too
-        ref_model = build_model(reader.config, device="cpu", source=reader)
-        for i, layer in enumerate(ref_model.model.layers):
-            stored = load_file(block_file(blocks.path, i))
-            for proj, spec in blocks.specs[i].items():
-                lin = layer.get_submodule(proj)
-                parts = {k: stored[f"{proj}.{k}"] for k in ("qweight", "scales", "mins")}
-                with torch.no_grad():
-                    lin.weight.copy_(dequantize(parts, spec, lin.in_features, torch.float32))
+        ref_model = dequantized_reference(reader, blocks)
         apply_lora(ref_model, LORA, seed=1)
         ref, ref_losses = reference_train(ref_model, data, hf_loss, clip=0.0, accum=1, **opt)
         model = build_model(reader.config)
