@@ -10,6 +10,46 @@ import os
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under `pytest -n 2` (the README's test command) two workers share the 2 cores: each
+    # computes on one thread, and so do the processes its tests start (they inherit the
+    # variable). Two 2-thread torch pools on 2 cores made ops wait up to 10x for a thread the
+    # other worker held; tests that measure a split over threads pass their own thread count.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch as _torch
+    _torch.set_num_threads(1)
+
+# ---- how `pytest -n 2` shares the files between its two workers ------------------------------
+# Whole files go to one worker (their module fixtures are built once), files that share a costly
+# session fixture go together (transformers' own load of the Gemma 3 GGUF, ~40 s of CPU), and
+# the costliest go first, so neither worker is left with a long file at the end (longest first:
+# their sums, measured with --durations on the 2-core AVX2 CI machine, 2026-12-01).
+SHARED_SCOPE = {"test_gemma3_real.py": "gemma3", "test_gguf_kquants.py": "gemma3"}
+COSTLIEST_FIRST = ("test_torch_optim.py", "test_zero_runner.py", "test_gemma3_real.py",
+                   "test_gguf_kquants.py", "test_zero.py", "test_serve.py", "test_quantized.py",
+                   "test_gpu_check.py", "test_chat_loop.py", "test_finetune.py", "test_gguf.py",
+                   "test_chaos.py", "test_chat.py", "test_kernel_trust.py", "test_moe_train_plans.py",
+                   "test_engine.py", "test_chat_loop_moe.py", "test_decode_step.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # a plain pytest (the GPU machine's) has no xdist
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesCostliestFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_SCOPE.get(os.path.basename(path), path)
+    config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems set
+    return FilesCostliestFirst(config, log)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a plain run keeps the files' order
+    rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -116,3 +156,21 @@ def gemma3_reference(gemma3_gguf):
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map, tf_gguf.load_gguf_checkpoint = real, real_map, real_load
     return reader, model.eval(), tok
+
+
+def stderr_until(child, text: str, timeout_s: float = 120.0) -> list[str]:
+    """The lines a child process wrote to its stderr pipe until one held `text` (or it closed
+    the pipe, or `timeout_s` passed). Tests that hold a lock for a child to meet wait for the
+    child to say it waits: its imports alone take ~4 s on a 2-core VM, longer under load, and a
+    fixed sleep raced them."""
+    import select
+    import time
+    seen: list[str] = []
+    deadline = time.time() + timeout_s
+    while not any(text in line for line in seen) and time.time() < deadline:
+        if select.select([child.stderr], [], [], 1.0)[0]:
+            line = child.stderr.readline()
+            if not line:
+                break
+            seen.append(line)
+    return seen

@@ -18,6 +18,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from conftest import stderr_until  # noqa: E402
 from offload.models import build_model  # noqa: E402
 from offload.models.gguf import GGUFError, GGUFReader, gguf_checkpoint_dir  # noqa: E402
 from offload.data.tokenizer import Tokenizer  # noqa: E402
@@ -342,16 +343,7 @@ def test_the_conversion_cache_is_keyed_by_content_and_checked_on_read(tmp_path, 
     with held_lock(target + ".lock", "test", 5):  # as a converting process holds it
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
-        # until the child says it waits (its imports alone take ~4 s on a 2-core VM: a fixed
-        # sleep raced them), then it must still be waiting, not converting
-        import select
-        seen, deadline = [], time.time() + 120
-        while not any("is converting" in line for line in seen) and time.time() < deadline:
-            if select.select([child.stderr], [], [], 1.0)[0]:
-                line = child.stderr.readline()
-                if not line:
-                    break
-                seen.append(line)
+        seen = stderr_until(child, "is converting")  # the child says it waits
         time.sleep(0.5)
         assert child.poll() is None and not os.path.exists(target), seen  # waiting, not converting
     out, err = child.communicate(timeout=120)

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from conftest import stderr_until
 from offload.models import build_model, preset, save_pretrained
 from runners.common import run_main
 from runners.infer import main
@@ -180,9 +181,11 @@ def test_two_runs_generating_one_preset_into_one_offload_dir_take_turns(tmp_path
            "--prompt-ids", "1,2", "--max-new-tokens", "2", "--probe-seconds", "0"]
     with held_lock(str(target) + ".lock", "test", 5):  # as a run writing them holds it
         child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(4)
-        assert child.poll() is None and not (target / "config.json").exists()
+        seen = stderr_until(child, "is writing")  # the child says it waits
+        time.sleep(0.5)
+        assert child.poll() is None and not (target / "config.json").exists(), seen
     out, err = child.communicate(timeout=120)
+    err = "".join(seen) + err
     assert child.returncode == 0 and "is writing" in err and (target / "config.json").exists(), err
 
 
