@@ -230,7 +230,8 @@ def bench_train(reader, args) -> dict:
     from offload.models import build_model
     from offload.models.moe import SparseMoE
     cfg = offload.OffloadConfig(offload="nvme", offload_params="nvme", dtype="fp32", device="cpu",
-                                nvme_dir=os.path.join(args.dir + "-train-swap"), lr=1e-5)
+                                nvme_dir=os.path.join(args.dir + "-train-swap"), lr=1e-5,
+                                replay_hold_bytes=args.replay_hold)
     model = build_model(reader.config, "meta", torch.float32)
     t0 = time.perf_counter()
     engine = offload.initialize(model, cfg, source=reader)
@@ -248,7 +249,7 @@ def bench_train(reader, args) -> dict:
     try:
         for _ in range(2):  # the first warms up (and reads state the initialisation prefetched)
             routed.clear()
-            replayed0 = engine.replay.replayed
+            replayed0, written0 = engine.replay.replayed, engine.replay.written
             ids = torch.randint(0, reader.config.vocab_size, (1, args.train_tokens), generator=g)
             t0 = time.perf_counter()
             logits = model(ids)[:, :-1].float()
@@ -265,6 +266,7 @@ def bench_train(reader, args) -> dict:
                 "dense_plus_routed": 12 * (total - experts + expert * len(routed)),
                 "every_expert": 12 * total, "routed": len(routed),
                 "experts": len(engine.experts), "replayed": engine.replay.replayed - replayed0,
+                "written": engine.replay.written - written0, "hold": engine.plan.replay_hold_bytes,
                 "weights_read": rep.bytes["stream_disk"] + rep.bytes["weights_read"],
                 "peak_rss": peak_rss_bytes()}
     finally:
@@ -280,7 +282,9 @@ def train_table(r: dict) -> str:
         f"{r['cpu_step_s']:.1f} / {r['io_wait_s']:.1f}) | {format_bytes(r['state_read'])} | "
         f"{format_bytes(r['dense_plus_routed'])} ({r['state_read'] / r['dense_plus_routed']:.2f}x) | "
         f"{format_bytes(r['every_expert'])} | {r['routed']} / {r['experts']} ({r['replayed']}) | "
-        f"{format_bytes(r['weights_read'])} | {format_bytes(r['peak_rss'])} |"])
+        f"{format_bytes(r['weights_read'])} | {format_bytes(r['peak_rss'])} |",
+        f"(replayed experts' state held until the step: cap {format_bytes(r['hold'])}, "
+        f"{r['written']} past it written and read again)"])
 
 
 def table(rows: list[dict]) -> str:
@@ -327,6 +331,8 @@ def main() -> None:
     p.add_argument("--train-tokens", type=int, default=8,
                    help="tokens of the training row's update (0: no training row)")
     p.add_argument("--only-train", action="store_true", help="the training row alone")
+    p.add_argument("--replay-hold", default="4GiB",
+                   help="training: RAM for replayed experts' state until the step (replay_hold_bytes)")
     p.add_argument("--output-json")
     args = p.parse_args()
     make_checkpoint(args.dir, args)

@@ -25,7 +25,7 @@ from torch import nn
 from offload.memory.layout import streamed_params
 from offload.memory.blocks import (bind_views, frozen_bytes, gather_flat, group_blocks,
                                    move_frozen_and_buffers)
-from offload.config import ConfigError, OffloadConfig
+from offload.config import ConfigError, OffloadConfig, parse_bytes
 from offload.grads.landing import GradLanding
 from offload.stream.frozen import FilledBase, FrozenBaseStreamer, StoredBase
 from offload.memory.mapped import map_frozen, maps_frozen_rest
@@ -76,6 +76,12 @@ def plan_model(g: Grouping, cfg: OffloadConfig, source: Any) -> TrainingPlan:
             s.name for s in r.slots}
     plan.expert_replay, plan.expert_replay_why = decide_experts(g.module, ranges, g.world,
                                                                 plan.step_path)
+    if plan.expert_replay == "lazy" and cfg.offload == "nvme":
+        hold = parse_bytes(cfg.replay_hold_bytes, "replay_hold_bytes")
+        plan.replay_hold_bytes = hold if hold is not None else NvmeState.staging_bytes(
+            [b.numel for b in g.blocks], cfg.buffer_count, cfg.sub_group_size)
+        host = plan.bytes.setdefault("host", {})
+        host["buffers"] = host.get("buffers", 0) + plan.replay_hold_bytes
     return plan
 
 
@@ -95,7 +101,7 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
     account = MemoryAccount()
     links = {k: LinkCounter() for k in LINKS}
     store = make_store(cfg, g, plan)
-    state = make_state(cfg, g, store, account, links, plan.unit_cuts)
+    state = make_state(cfg, g, store, account, links, plan.unit_cuts, plan.replay_hold_bytes)
     smallest = min(b.numel for b in g.blocks) * cfg.torch_dtype.itemsize
     with large_frees_to_os(smallest):  # RSS must not grow with the number of blocks (tiers.py)
         placed = _Placement(g, plan, state, store, account).place(source)
@@ -118,8 +124,8 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
 
 
 def make_state(cfg: OffloadConfig, g: Grouping, store, account: MemoryAccount,
-               links: dict[str, LinkCounter], cuts: list[list[int]] | None = None
-               ) -> ResidentState | NvmeState:
+               links: dict[str, LinkCounter], cuts: list[list[int]] | None = None,
+               hold_cap_bytes: int = 0) -> ResidentState | NvmeState:
     """The masters and Adam moments of this rank's range of each block, in their tier."""
     ranges = [g.owned(bi) for bi in range(len(g.blocks))]
     if cfg.offload == "nvme":
@@ -127,7 +133,7 @@ def make_state(cfg: OffloadConfig, g: Grouping, store, account: MemoryAccount,
                          links["nvme_read"], links["nvme_write"],
                          prefetch=cfg.prefetch_optimizer_state,
                          sub_group_params=cfg.sub_group_size, ranges=ranges,
-                         cuts=cuts)
+                         cuts=cuts, hold_cap_bytes=hold_cap_bytes)
     tier = "device" if cfg.offload == "none" else "host"
     # never pinned: the CPU kernel reads and writes masters and moments in place; they never
     # cross the link, and pinning them would spend the pinned-memory cap on them instead of
