@@ -19,7 +19,8 @@ hidden 1024, 32 experts of width 896, top-4; generated once into --dir), fp32, o
     NVMe (--offload nvme --offload-params nvme), materialised block by block from the
     checkpoint, after one warm-up update: peak RSS, the time split, and the optimizer-state bytes
     read against the dense part + the routed experts' state (counted from the routers'
-    choices) and against every expert's.
+    choices) and against every expert's; the weight bytes read against forward + backward x
+    (dense + routed experts' weights) and against whole layers.
 
 Usage: python scripts/bench_moe.py --dir /tmp/offload-bench/moe-1b --rounds 3
 """
@@ -260,6 +261,14 @@ def bench_train(reader, args) -> dict:
         rep = engine.last_report
         expert = sum(r.hi - r.lo for r in engine.experts[:1])
         total, experts = sum(b.numel for b in engine.blocks), sum(r.hi - r.lo for r in engine.experts)
+        # the weights forward and backward must read: each layer's dense part and routed
+        # experts, twice but for the last layer (kept bound from forward to backward)
+        layers = sorted(engine.parts.layer_of, key=engine.parts.layer_of.get)
+        weights_due = 0
+        for li, bi in enumerate(layers):
+            dense = engine.blocks[bi].numel - sum(r.hi - r.lo for r in engine.experts if r.block == bi)
+            hit = sum(1 for lj, _ in routed if lj == li)
+            weights_due += (1 if li == len(layers) - 1 else 2) * (dense + expert * hit) * 4
         return {"tier": "training", "tokens": args.train_tokens, "wall_s": wall, "setup_s": setup_s,
                 "forward_s": rep.forward_s, "backward_s": rep.backward_s, "cpu_step_s": rep.cpu_step_s,
                 "io_wait_s": rep.io_wait_s, "step_s": rep.step_s, "state_read": rep.bytes["nvme_read"],
@@ -268,6 +277,7 @@ def bench_train(reader, args) -> dict:
                 "experts": len(engine.experts), "replayed": engine.replay.replayed - replayed0,
                 "written": engine.replay.written - written0, "hold": engine.plan.replay_hold_bytes,
                 "weights_read": rep.bytes["stream_disk"] + rep.bytes["weights_read"],
+                "weights_due": weights_due, "weights_whole": 2 * 4 * sum(engine.blocks[bi].numel for bi in layers),
                 "peak_rss": peak_rss_bytes()}
     finally:
         engine.close()
@@ -276,13 +286,15 @@ def bench_train(reader, args) -> dict:
 def train_table(r: dict) -> str:
     return "\n".join([
         "| training, state + weights on NVMe | tokens | update s (fwd / bwd / CPU step / IO wait) "
-        "| state read | dense + routed | every expert | routed / experts (replayed) | weights read | peak RSS |",
-        "|---|---:|---|---:|---:|---:|---|---:|---:|",
+        "| state read | dense + routed | every expert | routed / experts (replayed) | weights read "
+        "| fwd + bwd x (dense + routed) | whole layers x 2 | peak RSS |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|",
         f"| one update | {r['tokens']} | {r['wall_s']:.1f} ({r['forward_s']:.1f} / {r['backward_s']:.1f} / "
         f"{r['cpu_step_s']:.1f} / {r['io_wait_s']:.1f}) | {format_bytes(r['state_read'])} | "
         f"{format_bytes(r['dense_plus_routed'])} ({r['state_read'] / r['dense_plus_routed']:.2f}x) | "
         f"{format_bytes(r['every_expert'])} | {r['routed']} / {r['experts']} ({r['replayed']}) | "
-        f"{format_bytes(r['weights_read'])} | {format_bytes(r['peak_rss'])} |",
+        f"{format_bytes(r['weights_read'])} | {format_bytes(r['weights_due'])} | "
+        f"{format_bytes(r['weights_whole'])} | {format_bytes(r['peak_rss'])} |",
         f"(replayed experts' state held until the step: cap {format_bytes(r['hold'])}, "
         f"{r['written']} past it written and read again)"])
 

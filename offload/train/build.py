@@ -34,6 +34,7 @@ from offload.memory.tiers import (LinkCounter, MemoryAccount, freeze_pin_cap, la
 from offload.optim.state import NvmeState, ResidentState
 from offload.zero.rest import RestGather, largest_module_numel
 from offload.lora import base_checkpoint_name
+from offload.stream.routed import weight_units, write_units
 from offload.stream.train import Stage3, StreamSettings, TrainingStreamer
 from offload.train.activations import ActivationStore, enable_activation_checkpointing
 from offload.train.experts import decide_experts, expert_cuts, expert_ranges
@@ -123,6 +124,21 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
                  checkpointed=checkpointed, grads=grads, reducer=reducer)
 
 
+def routed_weight_units(g: Grouping, plan: TrainingPlan) -> dict[int, list[tuple[int, int]]]:
+    """Block -> the element ranges of its routed experts whose 16-bit weights are their own
+    swap files, read only once routed (offload/stream/routed.py): nvme-tier weights, one
+    process, the CPU device, MoE modules that say which experts they run (before_experts)."""
+    cfg = plan.cfg
+    if cfg.offload_params != "nvme" or g.world > 1 or g.device.type != "cpu":
+        return {}
+    modules = dict(g.module.named_modules())
+    out: dict[int, list[tuple[int, int]]] = {}
+    for r in expert_ranges(g.module, g.blocks):
+        if hasattr(type(modules[r.module]), "before_experts") and g.blocks[r.block].module is not None:
+            out.setdefault(r.block, []).append((r.lo, r.hi))
+    return out
+
+
 def make_state(cfg: OffloadConfig, g: Grouping, store, account: MemoryAccount,
                links: dict[str, LinkCounter], cuts: list[list[int]] | None = None,
                hold_cap_bytes: int = 0) -> ResidentState | NvmeState:
@@ -190,6 +206,7 @@ class _Placement:
         self.rest_gathers: list[RestGather] = []
         self.streaming = None
         self.mapped: list[torch.Tensor] = []
+        self.weight_experts = routed_weight_units(g, plan)
 
     def place(self, source: Any) -> "_Placement":
         """Masters into the state, 16-bit weights to their tier, then the streamer (module
@@ -268,8 +285,11 @@ class _Placement:
             return home
         if cfg.offload_params == "cpu":  # the streamer adopts it as the block's home
             return master.to(self.dtype)
-        # straight to its swap file: the model never sits in RAM at once
-        self.store.write(TrainingStreamer.name(block), master.to(self.dtype)).wait()
+        # straight to its swap file(s): the model never sits in RAM at once (a routed
+        # expert's weights are a file of their own: offload/stream/routed.py)
+        units = weight_units(block.numel, self.weight_experts.get(bi, []))
+        write_units(self.store, TrainingStreamer.unit_names(block, units), units,
+                    master.to(self.dtype)).wait()
         return None
 
     def _start_streaming(self, stream_flats: list, frozen_base: bool, source: Any, fill,
@@ -285,7 +305,7 @@ class _Placement:
                                self.dtype, self.pin, nvme_ahead=cfg.prefetch_blocks),
                 flats16=stream_flats, store=self.store, account=self.account,
                 stage3=(Stage3(ShardGather(g.zero), home="device" if stage3_on_device else "host")
-                        if g.shards_weights else None))
+                        if g.shards_weights else None), experts=self.weight_experts)
             trainable.update(id(s.param) for bi in self.layer_of for s in g.blocks[bi].slots)
         # frozen parameters still on meta come from the source under their checkpoint names
         fill_frozen = ((lambda views: fill({base_checkpoint_name(n): v for n, v in views.items()}))

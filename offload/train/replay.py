@@ -38,10 +38,7 @@ state (the two threads never share the staging pipeline).
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch import nn
 
 from offload.train.experts import ExpertRange
 from offload.train.parts import Parts
@@ -64,21 +61,6 @@ class ExpertReplay:
         self.replayed_steps = 0  # zero steps run by replays
         self.written = 0  # units replayed past the hold cap: written back, read again by the step
         self._zeros: torch.Tensor | None = None
-        self._modules: list[nn.Module] = []
-
-    # -- what the engine installs ------------------------------------------------------------
-    def attach(self, model: nn.Module) -> None:
-        """Every "step" MoE module calls back with the experts it is about to run."""
-        names = {m for m, _ in self.ranges}
-        for name, module in model.named_modules():
-            if name in names:
-                module.before_experts = functools.partial(self.routed, name)
-                self._modules.append(module)
-
-    def detach(self) -> None:
-        for module in self._modules:
-            module.__dict__.pop("before_experts", None)
-        self._modules.clear()
 
     # -- the engine's calls ------------------------------------------------------------------
     def defer(self, u: Update) -> None:
@@ -138,6 +120,12 @@ class ExpertReplay:
                 self.replayed_steps += len(steps)
             self._write_weights(bi, patches)
 
+    def _experts_of(self, bi: int, patches: list[tuple[int, int, torch.Tensor]]) -> list[ExpertRange]:
+        """The experts of block bi the patches (which cover each replayed expert whole) lie in."""
+        starts = {a for a, _, _ in patches}
+        return [r for (_, _), r in self.ranges.items()
+                if r.block == bi and any(r.lo <= a < r.hi for a in starts)]
+
     def _zero_step(self, r: ExpertRange, a: int, b: int, lo: int, state, step: int, lr: float,
                    hyper: dict[str, tuple[float, float]]) -> None:
         """One recorded update on elements [a, b) of expert r (block offsets; the unit starts
@@ -184,8 +172,17 @@ class ExpertReplay:
             for a, b, w in patches:
                 home.data[a:b].copy_(w)
             return
-        # nvme tier: the layer's weights file, rewritten whole before the forward goes on (a
-        # later fetch of this layer -- recompute, backward -- reads the new file)
+        # nvme tier: a routed expert's own weights file (offload/stream/routed.py), or the
+        # layer's whole file, rewritten before the forward goes on (a later fetch of this
+        # layer -- recompute, backward -- reads the new file)
+        units = streaming.units[li]
+        if len(units) > 1:
+            unit_of = {lo: k for k, (lo, _) in enumerate(units)}
+            for r in self._experts_of(bi, patches):
+                pieces = sorted((a, w) for a, b, w in patches if r.lo <= a < r.hi)
+                streaming.write_unit(li, unit_of[r.lo], torch.cat([w for _, w in pieces]))
+                p.links["nvme_write"].add((r.hi - r.lo) * p.dtype.itemsize)
+            return
         if bound is not None:
             flat = bound.cpu() if bound.is_cuda else bound
         else:
