@@ -12,7 +12,8 @@ own choices:
   fetch (which also serves the recompute) -- but for the last layer, kept bound from forward
   to backward: not whole layers, and nothing read back by the step;
 - with accumulation and activation checkpointing (the recompute routes again: nothing more is
-  read) as without.
+  read) as without;
+- each expert's weights file carries its own CRC: damaged, its read once routed stops the run.
 """
 
 from __future__ import annotations
@@ -111,3 +112,32 @@ def test_streamed_weights_read_are_dense_part_plus_routed_experts(semantics, acc
     if semantics == "step":  # the replay's weight writes went to experts' own files
         assert engine.replay.replayed > 0
     check_against_torch(semantics, masters, losses, model, reference_model, data, accum)
+
+
+def test_damaged_expert_weights_file_stops_training(checkpoint, tmp_path):
+    """Each expert's weights file carries its own CRC, checked when it is read once routed."""
+    import os
+
+    import offload
+    from offload.memory.layout import StreamError
+    from test_engine import hf_loss
+    from test_run_guards import flip_byte
+    model, _, cfg = nvme_moe(checkpoint, "step", tmp_path)
+    data = lm_batches(2, VOCAB, seq=SEQ)
+    engine = offload.initialize(model, cfg)
+    try:
+        engine.backward(hf_loss(model, data[0]))
+        engine.step()
+        swap = engine.store.dir
+        # every one of layer 0's 32 experts' files damaged, its dense units left whole
+        layer0 = engine.parts.streaming.unit_names(engine.blocks[engine.parts.streaming.layer_block[0]],
+                                                   engine.parts.streaming.units[0])
+        experts = [n for k, n in enumerate(layer0) if k in engine.parts.streaming.expert_unit[0].values()]
+        assert len(experts) == 32 and len(layer0) > 32
+        files = {n: engine.store.info(n).file for n in experts}
+        for f in files.values():
+            flip_byte(os.path.join(swap, f))
+        with pytest.raises(StreamError, match="checksum mismatch in streamed weights"):
+            hf_loss(model, data[1])
+    finally:
+        engine.close()
