@@ -19,7 +19,8 @@ hidden 1024, 32 experts of width 896, top-4; generated once into --dir), fp32, o
     NVMe (--offload nvme --offload-params nvme), materialised block by block from the
     checkpoint, after one warm-up update: peak RSS, the time split, and the optimizer-state bytes
     read against the dense part + the routed experts' state (counted from the routers'
-    choices) and against every expert's.
+    choices) and against every expert's; the weight bytes read against forward + backward x
+    (dense + routed experts' weights) and against whole layers.
 
 Usage: python scripts/bench_moe.py --dir /tmp/offload-bench/moe-1b --rounds 3
 """
@@ -230,7 +231,8 @@ def bench_train(reader, args) -> dict:
     from offload.models import build_model
     from offload.models.moe import SparseMoE
     cfg = offload.OffloadConfig(offload="nvme", offload_params="nvme", dtype="fp32", device="cpu",
-                                nvme_dir=os.path.join(args.dir + "-train-swap"), lr=1e-5)
+                                nvme_dir=os.path.join(args.dir + "-train-swap"), lr=1e-5,
+                                replay_hold_bytes=args.replay_hold)
     model = build_model(reader.config, "meta", torch.float32)
     t0 = time.perf_counter()
     engine = offload.initialize(model, cfg, source=reader)
@@ -248,7 +250,7 @@ def bench_train(reader, args) -> dict:
     try:
         for _ in range(2):  # the first warms up (and reads state the initialisation prefetched)
             routed.clear()
-            replayed0 = engine.replay.replayed
+            replayed0, written0 = engine.replay.replayed, engine.replay.written
             ids = torch.randint(0, reader.config.vocab_size, (1, args.train_tokens), generator=g)
             t0 = time.perf_counter()
             logits = model(ids)[:, :-1].float()
@@ -259,13 +261,23 @@ def bench_train(reader, args) -> dict:
         rep = engine.last_report
         expert = sum(r.hi - r.lo for r in engine.experts[:1])
         total, experts = sum(b.numel for b in engine.blocks), sum(r.hi - r.lo for r in engine.experts)
+        # the weights forward and backward must read: each layer's dense part and routed
+        # experts, twice but for the last layer (kept bound from forward to backward)
+        layers = sorted(engine.parts.layer_of, key=engine.parts.layer_of.get)
+        weights_due = 0
+        for li, bi in enumerate(layers):
+            dense = engine.blocks[bi].numel - sum(r.hi - r.lo for r in engine.experts if r.block == bi)
+            hit = sum(1 for lj, _ in routed if lj == li)
+            weights_due += (1 if li == len(layers) - 1 else 2) * (dense + expert * hit) * 4
         return {"tier": "training", "tokens": args.train_tokens, "wall_s": wall, "setup_s": setup_s,
                 "forward_s": rep.forward_s, "backward_s": rep.backward_s, "cpu_step_s": rep.cpu_step_s,
                 "io_wait_s": rep.io_wait_s, "step_s": rep.step_s, "state_read": rep.bytes["nvme_read"],
                 "dense_plus_routed": 12 * (total - experts + expert * len(routed)),
                 "every_expert": 12 * total, "routed": len(routed),
                 "experts": len(engine.experts), "replayed": engine.replay.replayed - replayed0,
+                "written": engine.replay.written - written0, "hold": engine.plan.replay_hold_bytes,
                 "weights_read": rep.bytes["stream_disk"] + rep.bytes["weights_read"],
+                "weights_due": weights_due, "weights_whole": 2 * 4 * sum(engine.blocks[bi].numel for bi in layers),
                 "peak_rss": peak_rss_bytes()}
     finally:
         engine.close()
@@ -274,13 +286,17 @@ def bench_train(reader, args) -> dict:
 def train_table(r: dict) -> str:
     return "\n".join([
         "| training, state + weights on NVMe | tokens | update s (fwd / bwd / CPU step / IO wait) "
-        "| state read | dense + routed | every expert | routed / experts (replayed) | weights read | peak RSS |",
-        "|---|---:|---|---:|---:|---:|---|---:|---:|",
+        "| state read | dense + routed | every expert | routed / experts (replayed) | weights read "
+        "| fwd + bwd x (dense + routed) | whole layers x 2 | peak RSS |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|",
         f"| one update | {r['tokens']} | {r['wall_s']:.1f} ({r['forward_s']:.1f} / {r['backward_s']:.1f} / "
         f"{r['cpu_step_s']:.1f} / {r['io_wait_s']:.1f}) | {format_bytes(r['state_read'])} | "
         f"{format_bytes(r['dense_plus_routed'])} ({r['state_read'] / r['dense_plus_routed']:.2f}x) | "
         f"{format_bytes(r['every_expert'])} | {r['routed']} / {r['experts']} ({r['replayed']}) | "
-        f"{format_bytes(r['weights_read'])} | {format_bytes(r['peak_rss'])} |"])
+        f"{format_bytes(r['weights_read'])} | {format_bytes(r['weights_due'])} | "
+        f"{format_bytes(r['weights_whole'])} | {format_bytes(r['peak_rss'])} |",
+        f"(replayed experts' state held until the step: cap {format_bytes(r['hold'])}, "
+        f"{r['written']} past it written and read again)"])
 
 
 def table(rows: list[dict]) -> str:
@@ -327,6 +343,8 @@ def main() -> None:
     p.add_argument("--train-tokens", type=int, default=8,
                    help="tokens of the training row's update (0: no training row)")
     p.add_argument("--only-train", action="store_true", help="the training row alone")
+    p.add_argument("--replay-hold", default="4GiB",
+                   help="training: RAM for replayed experts' state until the step (replay_hold_bytes)")
     p.add_argument("--output-json")
     args = p.parse_args()
     make_checkpoint(args.dir, args)

@@ -141,6 +141,7 @@ CONFIG_CASES = {  # invalid values, each with the message that names it
     "budget '12 parsecs'": ({"host_budget": "12 parsecs"}, "host_budget: cannot read"),
     "budget of 400 digits": ({"host_budget": "9" * 400}, "not a finite size"),
     "budget negative": ({"host_budget": -5}, "host_budget: must be a non-negative size"),
+    "replay_hold_bytes 'lots'": ({"replay_hold_bytes": "lots"}, "replay_hold_bytes: cannot read"),
     "unknown key": ({"learning_rate": 1}, "unknown config key(s) 'learning_rate'"),
     "non-string key": ({1: 2}, "config keys must be strings"),
 }

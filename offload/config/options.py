@@ -102,6 +102,11 @@ class OffloadConfig:
     # copy is the (always fsynced) training checkpoint. On costs ~2 fsyncs per block per step.
     swap_fsync: bool = False
     prefetch_optimizer_state: bool = True  # read the next step's state during forward/backward
+    # NVMe state, mixtures of experts: host RAM ("4GiB" or bytes) for the state of experts whose
+    # zero steps were replayed in forward (offload/train/replay.py), kept until the update's
+    # step consumes it instead of written and read back; beyond it they are written and read
+    # again. None: as much as the staging buffers (buffer_count x 12 B x the largest unit)
+    replay_hold_bytes: int | str | None = None
     # per-tier byte budgets ("12GiB" strings or ints); None = measured free memory / disk
     device_budget: int | str | None = None
     host_budget: int | str | None = None
@@ -200,7 +205,7 @@ class OffloadConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"{name}: must be a string (a path) or None, got {v!r}")
-        for name in ("device_budget", "host_budget", "nvme_budget"):
+        for name in ("device_budget", "host_budget", "nvme_budget", "replay_hold_bytes"):
             parse_bytes(getattr(self, name), name)
         # each field is valid; now whether they go together (the one table of such rules)
         why = combination_error(self)

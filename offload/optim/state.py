@@ -13,6 +13,10 @@ Both expose the same pipeline protocol, which the engine drives block by block:
     release(i, modified=True)  # write-behind; the staging set is reused after the write
     end_step(next_order)       # writes durable, manifest committed; start reading for next step
 
+and, outside a step, `hold(i)`: block i's state to change in place (the lazy replay of experts'
+zero steps, offload/train/replay.py), without a release -- NvmeState keeps it in RAM of its own
+until the step acquires it, so a replayed expert's state is read once per update, not twice.
+
 For NVMe the reads for the next step are submitted at the end of this one, in the order the
 next step will consume them, so they run while the next forward and backward compute — the
 step then starts with its first `buffer_count` blocks already in memory (DeepSpeed only starts
@@ -86,6 +90,10 @@ class ResidentState:
     def release(self, bi: int, modified: bool) -> None:
         pass
 
+    def hold(self, bi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's state itself (NvmeState.hold: a copy kept in RAM until the step)."""
+        return self.acquire(bi)
+
     def end_step(self, next_order: list[int], step: int) -> None:
         pass
 
@@ -129,7 +137,7 @@ class NvmeState:
     def __init__(self, blocks: list[Block], store, buffer_count: int, account: MemoryAccount,
                  read_link: LinkCounter, write_link: LinkCounter, prefetch: bool = True,
                  sub_group_params: int = 1 << 25, ranges: list[tuple[int, int]] | None = None,
-                 cuts: list[list[int]] | None = None):
+                 cuts: list[list[int]] | None = None, hold_cap_bytes: int = 0):
         from nvme import aligned_empty  # page-aligned: O_DIRECT reads/writes go straight in
 
         self.blocks = blocks
@@ -158,21 +166,35 @@ class NvmeState:
             account.add("nvme", "masters", (hi - lo) * 4)
             account.add("nvme", "moments", (hi - lo) * 8)
         self.free: deque[int] = deque(range(buffer_count))
+        # with experts, read-ahead leaves one set unused: a unit acquired out of order (an
+        # expert's place in the order is known only once routed) is read into it, instead of
+        # displacing a read-ahead that would then be read a second time
+        self.spare_sets = 1 if cuts and any(cuts) else 0
         self.writing: dict[int, list] = {}  # set -> pending write handles
         self.reading: dict[int, tuple[int, list]] = {}  # unit -> (set, pending read handles)
         self.queue: deque[int] = deque()  # units still to be read, in consumption order
         self.io_wait_s = 0.0
         self._tail_thread = started_worker("offload-swap-tail")
         self._tail: Future | None = None  # the previous step's end (see end_step)
+        # hold(): units changed outside a step, in RAM of their own until the step acquires
+        # and releases them (written then); at most hold_cap_bytes (host "buffers" while held)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.hold_cap_bytes = hold_cap_bytes
+        self._account = account
 
     @staticmethod
     def plan_bytes(numels: list[int], buffer_count: int, sub_group_params: int) -> PlanBytes:
         """The state in swap files, and buffer_count staging sets sized for the largest unit
         (sub-group) in host RAM."""
         n = sum(numels)
-        largest_unit = max(1, max(hi - lo for b in numels for lo, hi in split_units(b, sub_group_params)))
         return {("nvme", "masters"): n * 4, ("nvme", "moments"): n * 8,
-                ("host", "buffers"): buffer_count * len(STATE_KINDS) * largest_unit * 4}
+                ("host", "buffers"): NvmeState.staging_bytes(numels, buffer_count, sub_group_params)}
+
+    @staticmethod
+    def staging_bytes(numels: list[int], buffer_count: int, sub_group_params: int) -> int:
+        """buffer_count staging sets (master, exp_avg, exp_avg_sq) of the largest unit."""
+        largest_unit = max(1, max(hi - lo for b in numels for lo, hi in split_units(b, sub_group_params)))
+        return buffer_count * len(STATE_KINDS) * largest_unit * 4
 
     def units_of(self, bi: int) -> list[tuple[int, int, int]]:
         return self.block_units[bi]
@@ -218,12 +240,20 @@ class NvmeState:
             h.wait()
 
     def _pump(self, block: bool = False) -> None:
-        """Submit reads for queued blocks while staging sets are available."""
+        """Submit reads for queued blocks while staging sets are available (read-ahead, but
+        for the first when `block`: at most all sets but spare_sets staged at once)."""
         while self.queue:
+            if not block and len(self.reading) >= len(self.sets) - self.spare_sets:
+                return
             si = self._take_set(block=block)
             if si is None:
                 return
             u = self.queue.popleft()
+            if u in self.held:  # newer than its files: copied, nothing read (kept until release)
+                for view, kept in zip(self._views(si, u), self.held[u]):
+                    view.copy_(kept)
+                self.reading[u] = (si, [])
+                continue
             handles = [self.store.read_into(self.name(u, kind), view)
                        for kind, view in zip(STATE_KINDS, self._views(si, u))]
             self.read_link.add(self.unit_numel[u] * 12)
@@ -273,11 +303,51 @@ class NvmeState:
 
     def release(self, u: int, modified: bool) -> None:
         si, _ = self.reading.pop(u)
-        if modified:
+        kept = self.held.pop(u, None)
+        if kept is not None:  # its files are older than what the step was given
+            self._account.sub("host", "buffers", sum(t.nbytes for t in kept))
+        if modified or kept is not None:
             self._write(si, u)  # write-behind: the set is reused once these complete
         else:
             self.free.append(si)
         self._pump()
+
+    def hold(self, u: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Unit u's state in RAM of its own, to be changed in place and kept there until a
+        step acquires and releases it (then written; also at the end of a step that did not,
+        and before any direct read): read once from its files unless already held. None where
+        holding it would pass hold_cap_bytes, or its read-ahead is in flight (the caller then
+        acquires and releases it as usual). Outside a step, on the thread that steps."""
+        from nvme import aligned_empty  # page-aligned: O_DIRECT reads straight in
+
+        self._join()
+        if u in self.held:
+            return self.held[u]
+        n = self.unit_numel[u]
+        held_bytes = sum(t.nbytes for kept in self.held.values() for t in kept)
+        if u in self.reading or u in self.queue or held_bytes + 12 * n > self.hold_cap_bytes:
+            return None
+        kept = tuple(aligned_empty(n, torch.float32) for _ in STATE_KINDS)
+        t0 = time.perf_counter()
+        for kind, t in zip(STATE_KINDS, kept):
+            self.store.read_into(self.name(u, kind), t).wait()
+        self.io_wait_s += time.perf_counter() - t0
+        self.read_link.add(n * 12)
+        self._account.add("host", "buffers", sum(t.nbytes for t in kept))
+        self.held[u] = kept
+        return kept
+
+    def _write_held(self) -> None:
+        """Every held unit written to its files (waited for) and let go."""
+        handles = [self.store.write(self.name(u, kind), t)
+                   for u, kept in self.held.items() for kind, t in zip(STATE_KINDS, kept)]
+        for u in self.held:
+            self.write_link.add(self.unit_numel[u] * 12)
+        for h in handles:
+            h.wait()
+        for kept in self.held.values():
+            self._account.sub("host", "buffers", sum(t.nbytes for t in kept))
+        self.held.clear()
 
     def end_step(self, next_order: list[int], step: int) -> None:
         """Hand the step's tail to a background thread and return: wait for this step's
@@ -290,6 +360,7 @@ class NvmeState:
         self._tail = self._tail_thread.submit(self._finish_step, next_order, step)
 
     def _finish_step(self, next_order: list[int], step: int) -> None:
+        self._write_held()  # held units this step did not acquire: their files catch up
         for si in list(self.writing):
             self._finish_writes(si)
             self.free.append(si)
@@ -312,6 +383,7 @@ class NvmeState:
         """No IO in flight and nothing staged (before direct reads or checkpointing). A failed
         read-ahead raises unless `reads_matter` is False (closing: nobody uses its data)."""
         self._join()
+        self._write_held()
         for si in list(self.writing):
             self._finish_writes(si)
             self.free.append(si)

@@ -23,6 +23,11 @@ the recompute runs while the block is bound, so its saved views are consistent.
 
 Prefetching is not cyclic: nothing is fetched for the next forward until the optimizer step
 has written the new weights (host buffer for the cpu tier, swap file for the nvme tier).
+
+Mixtures of experts on the nvme tier (routed.py): a layer's weights are one swap file per unit
+(dense runs, each routed expert); a fetch reads the dense units and, in backward, the experts
+the forward recorded; `experts_routed` (the MoE module's before_experts, after its router ran)
+reads the routed experts the bound slot lacks, before they compute.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 
 from nvme.io import ALIGN, CHECKSUM
 from offload.memory.blocks import Block
+from offload.stream.routed import RoutedStreamer, unit_names, weight_units, write_units
 from offload.stream.slots import slot_raw_bytes
 from offload.stream.streamer import BlockStreamer, TensorRange, TrainingHomes
 from offload.memory.tiers import MemoryAccount, PlanBytes, host_empty
@@ -102,14 +108,17 @@ class BlockHooks:
     streamer: BlockStreamer
 
     def _open_streamer(self, settings: StreamSettings, files, homes: TrainingHomes, *,
-                       io=None, dtype: torch.dtype | None = None) -> None:
+                       io=None, dtype: torch.dtype | None = None, routed: dict | None = None) -> None:
         """The streamer of every layer from `settings.tier`, blocks in `dtype` (default: the
-        compute dtype); slots always filled by a copy, never bound in place."""
+        compute dtype); slots always filled by a copy, never bound in place. `routed`: the
+        keyword arguments of a RoutedStreamer (experts read once routed: routed.py)."""
         s = settings
-        self.streamer = BlockStreamer(
+        kind = BlockStreamer if routed is None else RoutedStreamer
+        self.streamer = kind(
             self.layers, [s.tier] * len(self.layers), device=s.device, dtype=dtype or s.dtype,
             files=files, host_ahead=s.host_ahead, nvme_ahead=s.nvme_ahead, pin=s.pin,
-            zero_copy_host=False, fetch_delay_s=s.fetch_delay_s, io=io, homes=homes)
+            zero_copy_host=False, fetch_delay_s=s.fetch_delay_s, io=io, homes=homes,
+            **(routed or {}))
 
     def _install_hooks(self) -> None:
         n = len(self.layers)
@@ -210,11 +219,21 @@ class TrainingStreamer(BlockHooks):
 
     def __init__(self, layers: nn.ModuleList, blocks: list[Block], layer_block: list[int],
                  settings: StreamSettings, *, flats16: list[torch.Tensor | None], store,
-                 account: MemoryAccount, stage3: Stage3 | None = None):
+                 account: MemoryAccount, stage3: Stage3 | None = None,
+                 experts: dict[int, list[tuple[int, int]]] | None = None):
         """`flats16`: each layer's 16-bit weights (cpu tier; this rank's shard at stage 3), or
-        None where the engine wrote them to their swap file in `store` already."""
+        None where the engine wrote them to their swap file in `store` already. `experts`:
+        block -> its routed experts' element ranges, each its own weight unit (nvme tier, one
+        process, CPU device: the engine wrote them so, `write_units`; routed.py)."""
         tier, dtype = settings.tier, settings.dtype
         self.layers, self.blocks, self.tier = layers, blocks, tier
+        experts = experts or {}
+        # per layer: its weight units (one, the whole block, but for routed experts) and which
+        # of them are experts, read once routed (routed.py)
+        self.units = [weight_units(blocks[b].numel, experts.get(b, [])) for b in layer_block]
+        self.expert_unit = [{lo: k for k, (lo, hi) in enumerate(units) if (lo, hi) in experts.get(b, [])}
+                            for units, b in zip(self.units, layer_block)]
+        self.recorded: dict[int, set[int]] = {}  # layer -> expert units its forward routed to
         self.shards = stage3.gather if stage3 is not None else None
         self.layer_block = layer_block  # layer index -> engine block index
         self.store = store
@@ -244,11 +263,21 @@ class TrainingStreamer(BlockHooks):
             files = []  # the engine already wrote each block's weights to its swap file
             for li in range(n):
                 block = blocks[layer_block[li]]
-                files.append(self._ranges(layers[li], block))
+                files.append(self._ranges(layers[li], block, self.units[li]))
                 account.add("nvme", "weights", block.numel * dtype.itemsize)
+        routed = None
+        if any(self.expert_unit):
+            routed = {"lazy": [set(e.values()) for e in self.expert_unit],
+                      "run_crc32": self._run_crc32}
         self._open_streamer(settings, files, TrainingHomes(
             host_flats=host_flats, expected_crc32=self._expected_crc32, shards=self.shards,
-            shard_files=shard_files), io=store.engine if store is not None else None)
+            shard_files=shard_files), io=store.engine if store is not None else None,
+            routed=routed)
+        if routed is not None:  # one run per unit, in block order (unit_name sorts so)
+            for li, units in enumerate(self.units):
+                item = dtype.itemsize
+                assert self.streamer.runs_of(li) == [(a * item, b * item) for a, b in units], \
+                    "weight units and file runs differ"
         # the streamer may have replaced Parameter objects (meta / other dtype): the engine's
         # slots must name the ones the model now holds
         for li in range(n):
@@ -297,9 +326,44 @@ class TrainingStreamer(BlockHooks):
         entry = self.store.info(self.name(self.blocks[self.layer_block[li]]))
         return entry.crc32 if entry.checksum == CHECKSUM else None  # the streamer's kind
 
+    def _run_crc32(self, li: int, k: int) -> int | None:
+        """The CRC of layer li's weight unit k's latest file (as _expected_crc32)."""
+        if self.store is None or self.store.verify == "never":
+            return None
+        entry = self.store.info(self.unit_name(li, k))
+        return entry.crc32 if entry.checksum == CHECKSUM else None
+
     @staticmethod
     def name(block: Block) -> str:
         return f"{block.name}.{WEIGHTS}"
+
+    @staticmethod
+    def unit_names(block: Block, units: list[tuple[int, int]]) -> list[str]:
+        return unit_names(TrainingStreamer.name(block), units)
+
+    def unit_name(self, li: int, k: int) -> str:
+        return self.unit_names(self.blocks[self.layer_block[li]], self.units[li])[k]
+
+    # -- routed experts (routed.py): read once the router has chosen -----------------------
+    def _before_forward(self, li: int, args, kwargs) -> None:
+        if li == 0 and torch.is_grad_enabled() and self.recorded:
+            # a new training forward: the experts its backward needs are recorded afresh
+            for lj in self.recorded:
+                self.streamer.want(lj, set())
+            self.recorded.clear()
+        super()._before_forward(li, args, kwargs)
+
+    def experts_routed(self, li: int, ranges: list[tuple[int, int]]) -> None:
+        """Layer li (bound) is about to run the experts at these element ranges: those its slot
+        lacks are read now; in a training forward they are recorded, and the backward's fetch
+        of the layer (recompute included) reads them with its dense units."""
+        units = [self.expert_unit[li][lo] for lo, _ in ranges if lo in self.expert_unit[li]]
+        if not units:
+            return
+        self.streamer.read_routed(li, units)
+        if torch.is_grad_enabled():
+            self.recorded.setdefault(li, set()).update(units)
+            self.streamer.want(li, self.recorded[li])
 
     def _shard_range(self, block: Block, dtype: torch.dtype) -> TensorRange:
         """Where this rank's shard of a block's weights lies in its swap file (stage 3)."""
@@ -307,17 +371,23 @@ class TrainingStreamer(BlockHooks):
         return TensorRange("shard", f"{self.store.dir}/{entry.file}", entry.offset, entry.nbytes,
                            entry.dtype)
 
-    def _ranges(self, layer: nn.Module, block: Block) -> list[TensorRange]:
-        """The block's parameters as byte ranges of its swap file (flat, module order)."""
-        entry = self.store.info(self.name(block))
-        path = self.store.path(self.name(block)) if hasattr(self.store, "path") else \
-            f"{self.store.dir}/{entry.file}"
+    def _ranges(self, layer: nn.Module, block: Block, units: list[tuple[int, int]]
+                ) -> list[TensorRange]:
+        """The block's parameters as byte ranges of its weight units' swap files (flat, module
+        order; a parameter never straddles two units: they are cut at experts' bounds)."""
+        names = self.unit_names(block, units)
+        entries = [self.store.info(n) for n in names]
+        paths = [self.store.path(n) if hasattr(self.store, "path") else f"{self.store.dir}/{e.file}"
+                 for n, e in zip(names, entries)]
         params = dict(layer.named_parameters())
-        ranges, pos = [], 0
-        item = entry.dtype.itemsize
+        ranges, pos, k = [], 0, 0
+        item = entries[0].dtype.itemsize
         for rel, p in params.items():
-            ranges.append(TensorRange(rel, path, entry.offset + pos * item, p.numel() * item,
-                                      entry.dtype))
+            while pos >= units[k][1]:
+                k += 1
+            assert pos + p.numel() <= units[k][1], "a parameter straddles two weight units"
+            ranges.append(TensorRange(rel, paths[k], entries[k].offset + (pos - units[k][0]) * item,
+                                      p.numel() * item, entries[k].dtype))
             pos += p.numel()
         assert pos == block.numel
         return ranges
@@ -329,15 +399,26 @@ class TrainingStreamer(BlockHooks):
         the stepper uploads into it instead)."""
         return self.streamer.host_buffer(li) if self.tier == "cpu" else None
 
-    def write_weights(self, li: int, flat16: torch.Tensor):
+    def write_weights(self, li: int, flat16: torch.Tensor, units: list[int] | None = None):
         """nvme tier: write-behind of the new weights (stage 3: this rank's shard, whose padded
-        tail is never a parameter); returns the store handle."""
+        tail is never a parameter); `units`: only these weight units (default all); returns a
+        handle whose wait() waits for every file written."""
         if self.shard_numel is not None:
             n = self.shard_numel[li]
             if flat16.numel() < n:  # a block smaller than its padded shard (a few elements)
                 flat16 = torch.cat([flat16, flat16.new_zeros(n - flat16.numel())])
             flat16 = flat16[:n]
-        return self.store.write(self.name(self.blocks[self.layer_block[li]]), flat16)
+            return self.store.write(self.name(self.blocks[self.layer_block[li]]), flat16)
+        return write_units(self.store, self.unit_names(self.blocks[self.layer_block[li]],
+                                                       self.units[li]), self.units[li], flat16, units)
+
+    def write_unit(self, li: int, k: int, flat16: torch.Tensor) -> None:
+        """Weight unit k of layer li's new values (its elements) to its file, waited for."""
+        self.store.write(self.unit_name(li, k), flat16).wait()
+
+    def read_unit(self, li: int, k: int, out: torch.Tensor) -> None:
+        """Weight unit k of layer li from its file into `out` (its elements)."""
+        self.store.read_into(self.unit_name(li, k), out).wait()
 
     def load_weights(self, li: int, flat16: torch.Tensor) -> None:
         """Block li's weights (this rank's shard of them at stage 3) into their home."""
@@ -347,3 +428,4 @@ class TrainingStreamer(BlockHooks):
                 self.shards.homes_written(self.streamer.device)
         else:
             self.write_weights(li, flat16).wait()  # stage 3: padded to the shard's length
+

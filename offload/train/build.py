@@ -25,7 +25,7 @@ from torch import nn
 from offload.memory.layout import streamed_params
 from offload.memory.blocks import (bind_views, frozen_bytes, gather_flat, group_blocks,
                                    move_frozen_and_buffers)
-from offload.config import ConfigError, OffloadConfig
+from offload.config import ConfigError, OffloadConfig, parse_bytes
 from offload.grads.landing import GradLanding
 from offload.stream.frozen import FilledBase, FrozenBaseStreamer, StoredBase
 from offload.memory.mapped import map_frozen, maps_frozen_rest
@@ -34,6 +34,7 @@ from offload.memory.tiers import (LinkCounter, MemoryAccount, freeze_pin_cap, la
 from offload.optim.state import NvmeState, ResidentState
 from offload.zero.rest import RestGather, largest_module_numel
 from offload.lora import base_checkpoint_name
+from offload.stream.routed import weight_units, write_units
 from offload.stream.train import Stage3, StreamSettings, TrainingStreamer
 from offload.train.activations import ActivationStore, enable_activation_checkpointing
 from offload.train.experts import decide_experts, expert_cuts, expert_ranges
@@ -76,6 +77,12 @@ def plan_model(g: Grouping, cfg: OffloadConfig, source: Any) -> TrainingPlan:
             s.name for s in r.slots}
     plan.expert_replay, plan.expert_replay_why = decide_experts(g.module, ranges, g.world,
                                                                 plan.step_path)
+    if plan.expert_replay == "lazy" and cfg.offload == "nvme":
+        hold = parse_bytes(cfg.replay_hold_bytes, "replay_hold_bytes")
+        plan.replay_hold_bytes = hold if hold is not None else NvmeState.staging_bytes(
+            [b.numel for b in g.blocks], cfg.buffer_count, cfg.sub_group_size)
+        host = plan.bytes.setdefault("host", {})
+        host["buffers"] = host.get("buffers", 0) + plan.replay_hold_bytes
     return plan
 
 
@@ -95,7 +102,7 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
     account = MemoryAccount()
     links = {k: LinkCounter() for k in LINKS}
     store = make_store(cfg, g, plan)
-    state = make_state(cfg, g, store, account, links, plan.unit_cuts)
+    state = make_state(cfg, g, store, account, links, plan.unit_cuts, plan.replay_hold_bytes)
     smallest = min(b.numel for b in g.blocks) * cfg.torch_dtype.itemsize
     with large_frees_to_os(smallest):  # RSS must not grow with the number of blocks (tiers.py)
         placed = _Placement(g, plan, state, store, account).place(source)
@@ -117,9 +124,24 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
                  checkpointed=checkpointed, grads=grads, reducer=reducer)
 
 
+def routed_weight_units(g: Grouping, plan: TrainingPlan) -> dict[int, list[tuple[int, int]]]:
+    """Block -> the element ranges of its routed experts whose 16-bit weights are their own
+    swap files, read only once routed (offload/stream/routed.py): nvme-tier weights, one
+    process, the CPU device, MoE modules that say which experts they run (before_experts)."""
+    cfg = plan.cfg
+    if cfg.offload_params != "nvme" or g.world > 1 or g.device.type != "cpu":
+        return {}
+    modules = dict(g.module.named_modules())
+    out: dict[int, list[tuple[int, int]]] = {}
+    for r in expert_ranges(g.module, g.blocks):
+        if hasattr(type(modules[r.module]), "before_experts") and g.blocks[r.block].module is not None:
+            out.setdefault(r.block, []).append((r.lo, r.hi))
+    return out
+
+
 def make_state(cfg: OffloadConfig, g: Grouping, store, account: MemoryAccount,
-               links: dict[str, LinkCounter], cuts: list[list[int]] | None = None
-               ) -> ResidentState | NvmeState:
+               links: dict[str, LinkCounter], cuts: list[list[int]] | None = None,
+               hold_cap_bytes: int = 0) -> ResidentState | NvmeState:
     """The masters and Adam moments of this rank's range of each block, in their tier."""
     ranges = [g.owned(bi) for bi in range(len(g.blocks))]
     if cfg.offload == "nvme":
@@ -127,7 +149,7 @@ def make_state(cfg: OffloadConfig, g: Grouping, store, account: MemoryAccount,
                          links["nvme_read"], links["nvme_write"],
                          prefetch=cfg.prefetch_optimizer_state,
                          sub_group_params=cfg.sub_group_size, ranges=ranges,
-                         cuts=cuts)
+                         cuts=cuts, hold_cap_bytes=hold_cap_bytes)
     tier = "device" if cfg.offload == "none" else "host"
     # never pinned: the CPU kernel reads and writes masters and moments in place; they never
     # cross the link, and pinning them would spend the pinned-memory cap on them instead of
@@ -184,6 +206,7 @@ class _Placement:
         self.rest_gathers: list[RestGather] = []
         self.streaming = None
         self.mapped: list[torch.Tensor] = []
+        self.weight_experts = routed_weight_units(g, plan)
 
     def place(self, source: Any) -> "_Placement":
         """Masters into the state, 16-bit weights to their tier, then the streamer (module
@@ -262,8 +285,11 @@ class _Placement:
             return home
         if cfg.offload_params == "cpu":  # the streamer adopts it as the block's home
             return master.to(self.dtype)
-        # straight to its swap file: the model never sits in RAM at once
-        self.store.write(TrainingStreamer.name(block), master.to(self.dtype)).wait()
+        # straight to its swap file(s): the model never sits in RAM at once (a routed
+        # expert's weights are a file of their own: offload/stream/routed.py)
+        units = weight_units(block.numel, self.weight_experts.get(bi, []))
+        write_units(self.store, TrainingStreamer.unit_names(block, units), units,
+                    master.to(self.dtype)).wait()
         return None
 
     def _start_streaming(self, stream_flats: list, frozen_base: bool, source: Any, fill,
@@ -279,7 +305,7 @@ class _Placement:
                                self.dtype, self.pin, nvme_ahead=cfg.prefetch_blocks),
                 flats16=stream_flats, store=self.store, account=self.account,
                 stage3=(Stage3(ShardGather(g.zero), home="device" if stage3_on_device else "host")
-                        if g.shards_weights else None))
+                        if g.shards_weights else None), experts=self.weight_experts)
             trainable.update(id(s.param) for bi in self.layer_of for s in g.blocks[bi].slots)
         # frozen parameters still on meta come from the source under their checkpoint names
         fill_frozen = ((lambda views: fill({base_checkpoint_name(n): v for n, v in views.items()}))

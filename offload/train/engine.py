@@ -32,7 +32,8 @@ from offload.train import build, state as engine_state
 from offload.train.counters import TrainingCounters
 from offload.train.delayed import Delayed
 from offload.train.errors import NonFiniteError, StateError
-from offload.train.experts import drop_stepped, expert_ranges, untouched_experts, zero_gradient_slots
+from offload.train.experts import (RoutedCalls, drop_stepped, expert_ranges, untouched_experts,
+                                   zero_gradient_slots)
 from offload.train.parts import Parts
 from offload.train.paths import AfterBackward, Overlapped
 from offload.train.replay import ExpertReplay
@@ -103,8 +104,10 @@ class Engine:
         self.experts = expert_ranges(model, self.blocks)
         self.replay = (ExpertReplay(self.parts, self.stepper.kernel, self.counters.slot_skips,
                                     self.experts) if self.plan.expert_replay == "lazy" else None)
-        if self.replay is not None:
-            self.replay.attach(model)
+        # each MoE module's before_experts: routed experts' weights read (streamed, nvme), then
+        # replayed (offload/train/experts.py RoutedCalls)
+        self.routed_calls = RoutedCalls(model, self.experts, self.parts.layer_of,
+                                        self.parts.streaming, self.replay)
         # how the step meets backward: a policy object (offload/train/paths.py), the plan's
         self.path: AfterBackward = {"after": AfterBackward, "overlapped": Overlapped,
                                     "delayed": Delayed}[self.plan.step_path](
@@ -397,8 +400,7 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self.replay is not None:
-            self.replay.detach()
+        self.routed_calls.detach()
         self.parts.close(after_error=after_error)
 
     def __enter__(self) -> "Engine":

@@ -34,6 +34,7 @@ the expert's state, a collective that depends on the routing).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -157,3 +158,41 @@ def untouched_experts(ranges: list[ExpertRange], missing: dict[int, set[str]]
             deferred.setdefault(r.block, set()).update(s.name for s in r.slots)
     rest = {bi: names - deferred.get(bi, set()) for bi, names in missing.items()}
     return {bi: n for bi, n in rest.items() if n}, deferred
+
+
+class RoutedCalls:
+    """What each MoE module's `before_experts(hit)` does (it is called in every forward --
+    training, recompute, evaluation -- with the experts about to run, before any computes):
+    first a streamed layer whose experts are weight units of their own reads the routed ones'
+    weights (`streaming.experts_routed`: offload/stream/routed.py), then the lazy replay brings
+    the replayed ones up to date (offload/train/replay.py: it patches the bound slot and the
+    expert's file, so it comes after the read)."""
+
+    def __init__(self, model: nn.Module, ranges: list[ExpertRange], layer_of: dict[int, int],
+                 streaming, replay):
+        self.by_module: dict[str, dict[int, ExpertRange]] = {}
+        for r in ranges:
+            self.by_module.setdefault(r.module, {})[r.expert] = r
+        self.layer_of = layer_of
+        self.streaming = streaming if any(getattr(streaming, "expert_unit", ())) else None
+        self.replay = replay
+        replayed = {m for m, _ in replay.ranges} if replay is not None else set()
+        self._modules: list[nn.Module] = []
+        for name, module in model.named_modules():
+            if name in replayed or (self.streaming is not None and name in self.by_module
+                                    and hasattr(type(module), "before_experts")):
+                module.before_experts = functools.partial(self.routed, name)
+                self._modules.append(module)
+
+    def routed(self, module: str, hit: list[int]) -> None:
+        experts = self.by_module.get(module, {})
+        rs = [experts[e] for e in hit if e in experts]
+        if self.streaming is not None and rs and rs[0].block in self.layer_of:
+            self.streaming.experts_routed(self.layer_of[rs[0].block], [(r.lo, r.hi) for r in rs])
+        if self.replay is not None:
+            self.replay.routed(module, hit)
+
+    def detach(self) -> None:
+        for module in self._modules:
+            module.__dict__.pop("before_experts", None)
+        self._modules.clear()

@@ -58,6 +58,9 @@ class TrainingPlan:
     expert_slots: dict[int, frozenset[str]] = field(default_factory=dict)
     expert_replay: str = "none"  # "lazy" | "eager" | "none"
     expert_replay_why: str = ""
+    # NVMe state, lazy replay: host RAM the replayed experts' state is held in until the step
+    # (offload/optim/state.py NvmeState.hold); in bytes["host"]["buffers"]
+    replay_hold_bytes: int = 0
 
     def total(self, tier: str) -> int:
         return sum(self.bytes.get(tier, {}).values())

@@ -14,8 +14,13 @@ eager zero step, so the result is bit-identical. An expert is replayed
 - for every expert, before anything reads the whole state: a checkpoint, an export,
   master_params() or optimizer_state() (`settle`).
 
-A replay reads the expert's state units, steps them, writes them back (NVMe: through the same
-staging pipeline, between updates), and writes the new weights wherever the model's copy of
+A replay reads the expert's state units and steps them in place. On NVMe they are then held in
+RAM of their own (NvmeState.hold) until this update's step acquires them -- the expert was
+routed to, so it is stepped -- and written only then: each unit is read once per update. Held
+bytes are capped (cfg.replay_hold_bytes, in the plan's host buffers); past the cap a unit goes
+through the staging pipeline, written back now and read again by the step (`written` counts
+them). Units held but not stepped (routed only in an evaluation forward) are written at the end
+of the step, and before any direct read of the state. The replay then writes the new weights wherever the model's copy of
 them lives: the device buffer (or nothing, where the parameters are the masters), a streamed
 layer's host buffer and, while the layer is bound, its slot; on the nvme tier the layer's
 weights file is rewritten whole (from the bound slot, else read back and patched) before the
@@ -33,10 +38,7 @@ state (the two threads never share the staging pipeline).
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch import nn
 
 from offload.train.experts import ExpertRange
 from offload.train.parts import Parts
@@ -57,22 +59,8 @@ class ExpertReplay:
         self.pending: dict[tuple[str, int], list[Recorded]] = {}
         self.replayed = 0  # experts brought up to date (report)
         self.replayed_steps = 0  # zero steps run by replays
+        self.written = 0  # units replayed past the hold cap: written back, read again by the step
         self._zeros: torch.Tensor | None = None
-        self._modules: list[nn.Module] = []
-
-    # -- what the engine installs ------------------------------------------------------------
-    def attach(self, model: nn.Module) -> None:
-        """Every "step" MoE module calls back with the experts it is about to run."""
-        names = {m for m, _ in self.ranges}
-        for name, module in model.named_modules():
-            if name in names:
-                module.before_experts = functools.partial(self.routed, name)
-                self._modules.append(module)
-
-    def detach(self) -> None:
-        for module in self._modules:
-            module.__dict__.pop("before_experts", None)
-        self._modules.clear()
 
     # -- the engine's calls ------------------------------------------------------------------
     def defer(self, u: Update) -> None:
@@ -114,16 +102,29 @@ class ExpertReplay:
                     a, b = max(lo, r.lo), min(hi, r.hi)
                     if a >= b:
                         continue
-                    master, exp_avg, exp_avg_sq = p.state.acquire(unit)
+                    # kept in RAM until this update's step acquires it (read once, not by
+                    # the replay and again by the step); past the plan's cap, staged as usual
+                    state = p.state.hold(unit)
+                    held = state is not None
+                    if not held:
+                        self.written += 1
+                        state = p.state.acquire(unit)
                     try:
                         for step, lr, hyper in steps:
-                            self._zero_step(r, a, b, lo, (master, exp_avg, exp_avg_sq), step, lr, hyper)
-                        patches.append((a, b, master[a - lo:b - lo].to(p.dtype, copy=True)))
+                            self._zero_step(r, a, b, lo, state, step, lr, hyper)
+                        patches.append((a, b, state[0][a - lo:b - lo].to(p.dtype, copy=True)))
                     finally:
-                        p.state.release(unit, modified=True)
+                        if not held:
+                            p.state.release(unit, modified=True)
                 self.replayed += 1
                 self.replayed_steps += len(steps)
             self._write_weights(bi, patches)
+
+    def _experts_of(self, bi: int, patches: list[tuple[int, int, torch.Tensor]]) -> list[ExpertRange]:
+        """The experts of block bi the patches (which cover each replayed expert whole) lie in."""
+        starts = {a for a, _, _ in patches}
+        return [r for (_, _), r in self.ranges.items()
+                if r.block == bi and any(r.lo <= a < r.hi for a in starts)]
 
     def _zero_step(self, r: ExpertRange, a: int, b: int, lo: int, state, step: int, lr: float,
                    hyper: dict[str, tuple[float, float]]) -> None:
@@ -171,8 +172,17 @@ class ExpertReplay:
             for a, b, w in patches:
                 home.data[a:b].copy_(w)
             return
-        # nvme tier: the layer's weights file, rewritten whole before the forward goes on (a
-        # later fetch of this layer -- recompute, backward -- reads the new file)
+        # nvme tier: a routed expert's own weights file (offload/stream/routed.py), or the
+        # layer's whole file, rewritten before the forward goes on (a later fetch of this
+        # layer -- recompute, backward -- reads the new file)
+        units = streaming.units[li]
+        if len(units) > 1:
+            unit_of = {lo: k for k, (lo, _) in enumerate(units)}
+            for r in self._experts_of(bi, patches):
+                pieces = sorted((a, w) for a, b, w in patches if r.lo <= a < r.hi)
+                streaming.write_unit(li, unit_of[r.lo], torch.cat([w for _, w in pieces]))
+                p.links["nvme_write"].add((r.hi - r.lo) * p.dtype.itemsize)
+            return
         if bound is not None:
             flat = bound.cpu() if bound.is_cuda else bound
         else:

@@ -245,6 +245,9 @@ class BlockStepper:
         self.weight_writes: list = []  # nvme-tier weight writes of the current update
         self.weight_ring: list[torch.Tensor] = []  # made at the first nvme-tier block
         self.ring_writes: dict[int, Any] = {}
+        # nvme tier, per-expert weight units (offload/stream/routed.py): block -> the units
+        # _fill_unstepped found changed (absent: all of them), read by _send
+        self.changed_units: dict[int, list[int]] = {}
         self.pending_io_s = 0.0
         self.upload_ring: list[torch.Tensor] = []
         self.upload_done: list = []
@@ -369,7 +372,21 @@ class BlockStepper:
         device buffer, a streamed block's host buffer and shared masters already hold them."""
         e = self.p
         kind = where[0]
-        if kind == "nvme":  # the file holds the block (stage 3: this rank's padded shard)
+        if kind == "nvme" and len(e.streaming.units[e.layer_of[bi]]) > 1:
+            # the block's weights are several files (each routed expert its own): only those
+            # with a stepped element are written; a unit stepped in part is read back first
+            li, done = e.layer_of[bi], [(a, b) for _, a, b in stepped]
+            changed = []
+            for k, (lo, hi) in enumerate(e.streaming.units[li]):
+                gaps = _gaps(lo, hi, done)
+                if gaps == [(lo, hi)]:
+                    continue  # nothing stepped: its file stays as it is, unread
+                if gaps:
+                    e.streaming.read_unit(li, k, out16[lo:hi])
+                    e.links["weights_read"].add((hi - lo) * out16.element_size())
+                changed.append(k)
+            self.changed_units[bi] = changed
+        elif kind == "nvme":  # the file holds the block (stage 3: this rank's padded shard)
             streaming = e.streaming
             name = streaming.name(e.blocks[bi])
             stored = streaming.store.info(name).nbytes // out16.element_size()
@@ -449,9 +466,13 @@ class BlockStepper:
                 ev.record(e.h2d_stream)
             self.upload_done[r] = ev
         elif kind == "nvme":
-            h = e.streaming.write_weights(e.layer_of[bi], out16)
+            li, changed = e.layer_of[bi], self.changed_units.pop(bi, None)
+            h = e.streaming.write_weights(li, out16, changed)
             self.ring_writes[r] = h
             self.weight_writes.append(h)
+            if changed is not None:
+                units = e.streaming.units[li]
+                nbytes = sum(units[k][1] - units[k][0] for k in changed) * out16.element_size()
             e.links["nvme_write"].add(nbytes)
             return
         elif kind == "host":
