@@ -19,6 +19,9 @@ QuantLinear int8 / int4 weights the C one-row loops take; where the unfused path
 on one thread (quant/cpu.py SPLIT_MIN_ELEMENTS: SmolLM2's sizes; a 1B model's projections split
 over the cores and stay on the unfused path), and where $OFFLOAD_QUANT_KERNEL does not force
 another kernel. $OFFLOAD_DECODE_STEP=off turns it off (tests compare the two).
+With int8 activations (QuantLinear.activations, `--activations int8`) each projection's
+proj_t carries act_bits 8 and the block runs quant_a8.c's loops where the unfused path would
+(the same offload_a8_taken answer): a projection gives the unfused path's bits for the same x.
 
 The library is built with -march=native and runs only where a child process checked it on this
 CPU (offload/kernel_trust.py: `check_block_library` runs the fused block on random int4 and int8

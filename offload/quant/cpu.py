@@ -19,6 +19,10 @@ blocked loop is 1.4-2.9x faster than them, 0.7-1.2x the time of the dense fp32 p
 BENCHMARKS.md). From 9 rows on, matmul.kernel_for still times this library against the chunked
 kernel on the weight, once per shape, and keeps the faster.
 
+With activations="int8" (opt-in) the rows go to quant_a8.c's loops instead, x quantized per 32
+columns and multiplied in integer dot products, where this CPU takes them (offload_a8_taken:
+AVX2, groups of a multiple of 32 columns); held to the same math in float64 (a8_reference).
+
 Built with -O3 and reassociated sums (vectorised; not -ffast-math, see _FLAGS): results equal x @ dequantize(W)^T
 to float rounding (checked against torch when the library is loaded) and do not depend on how
 the rows are split. Unavailable (no compiler, failed self-check): the torch kernels run instead.
