@@ -91,6 +91,11 @@ def build_parser() -> Parser:
                         "as they are")
     p.add_argument("--group-size", type=group_size_arg, default=0, metavar="N|channel",
                    help=GROUP_SIZE_HELP)
+    p.add_argument("--activations", default="fp32", choices=["fp32", "int8"],
+                   help="with --quantize, on the CPU: the products' inputs as given (fp32, the "
+                        "default) or quantized per 32 values to int8 and multiplied in integer dot "
+                        "products, as llama.cpp does (faster; different math, so the tokens may "
+                        "change: docs/benchmarks/quant.md measures the agreement)")
     p.add_argument("--quantize-head", default="int8", choices=["int8", "none"],
                    help="with --quantize: the vocabulary head (read whole every step) in int8 "
                         "groups of 32, llama.cpp's Q8_0 (default), or kept in the compute dtype")
@@ -363,7 +368,7 @@ def load_model(args, cfg, reader, plan, qblocks, device, dtype, quant):
             model, streamer = load_quantized_streamed(
                 reader, qblocks, plan.residency, device=device, dtype=dtype,
                 nvme_ahead=args.nvme_ahead, progress=lambda i: bar.update(1), experts=experts,
-                head=_head_spec(args, quant))
+                head=_head_spec(args, quant), activations=args.activations)
         else:
             model, streamer = load_streamed(reader, plan.residency, device=device, dtype=dtype,
                                             nvme_ahead=args.nvme_ahead, experts=experts,

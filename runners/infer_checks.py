@@ -34,6 +34,9 @@ def check_flags(args) -> None:
             raise RunnerError(f"--quantize {args.quantize} --group-size {args.group_size}: {e}") from None
     elif args.group_size:
         raise RunnerError("--group-size sets the --quantize groups: add --quantize int8|int4")
+    if args.quantize == "none" and getattr(args, "activations", "fp32") != "fp32":
+        raise RunnerError(f"--activations {args.activations} quantizes the inputs of the --quantize "
+                          f"products: add --quantize int8|int4 (or drop --activations)")
     if args.interactive:
         args.chat = True
         if args.prompt or args.prompt_file or args.prompt_ids or args.batch_size not in (None, 1):

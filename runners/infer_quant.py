@@ -23,7 +23,8 @@ def quant_source(args, cfg: ModelConfig):
     """None without --quantize; else (settings, per-layer specs, the GGUF path or None)."""
     if args.quantize == "none":
         return None
-    settings = QuantSettings(args.quantize, args.group_size)  # checked in main
+    # checked in main; the activations are not in the stored codes (load_model sets them)
+    settings = QuantSettings(args.quantize, args.group_size, getattr(args, "activations", "fp32"))
     gguf_path = args.model if os.path.isfile(args.model) else None
     types = None
     if gguf_path is not None:

@@ -69,6 +69,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         old_src = Path(tmp) / "before.c"
         old_src.write_text(subprocess.check_output(["git", "-C", str(ROOT), "show", f"{args.before}:{SOURCE}"], text=True))
+        for name in quant_cpu._INCLUDED:  # the files quant_gemv.c includes, as they were at the ref
+            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:offload/csrc/{name}"],
+                                   capture_output=True, text=True)
+            if shown.returncode == 0:
+                (Path(tmp) / name).write_text(shown.stdout)
         libs = {"before": build(old_src, "before", Path(tmp)), "after": build(Path(args.after), "after", Path(tmp))}
         gen = torch.Generator().manual_seed(0)
         print(f"int{args.bits} g{args.group}, {args.rows} row(s), 1 thread, {args.rounds} rounds, medians (us)")

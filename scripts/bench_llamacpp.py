@@ -38,7 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
           "Gutenberg combined movable metal type, oil-based ink and a wooden screw press")
 OURS = {"int4": ["--quantize", "int4"], "int8": ["--quantize", "int8"], "bf16": ["--dtype", "bf16"],
-        "fp32": ["--dtype", "fp32"]}
+        "fp32": ["--dtype", "fp32"],
+        # x quantized to int8 per 32 values, as llama.cpp does (opt-in: other math)
+        "int4-a8": ["--quantize", "int4", "--activations", "int8"],
+        "int8-a8": ["--quantize", "int8", "--activations", "int8"]}
 
 # run by the llama venv's interpreter: {"model", "threads", "ids" | "text", "new"} on stdin
 _LLAMA_CHILD = r"""

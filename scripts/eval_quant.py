@@ -76,13 +76,15 @@ def teacher_forced(model, rows: torch.Tensor, batch: int = 2) -> tuple[float, in
 
 
 def quantized_model(hf_dir: str, gguf_path: str | None, mode: str, group: int, workdir: str,
-                    dtype: torch.dtype = torch.float32):
-    """(model, streamer, reader, block bytes): the quantized model, every block resident."""
+                    dtype: torch.dtype = torch.float32, activations: str = "fp32", head=None):
+    """(model, streamer, reader, block bytes): the quantized model, every block resident;
+    `activations` as --activations, `head` a spec for the vocabulary head (None: dense)."""
     reader = CheckpointReader(hf_dir)
     blocks = quantize_checkpoint(reader, QuantSettings(mode, group), dtype, cache_root=workdir,
                                  gguf_path=gguf_path)
     model, streamer = load_quantized_streamed(reader, blocks, ["device"] * reader.config.num_hidden_layers,
-                                              device="cpu", dtype=dtype)
+                                              device="cpu", dtype=dtype, head=head,
+                                              activations=activations)
     return model, streamer, reader, sum(blocks.block_bytes)
 
 

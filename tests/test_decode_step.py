@@ -172,3 +172,44 @@ def test_real_model_greedy_tokens_unchanged(smollm2_gguf, smollm2_hf, tmp_path, 
     finally:
         streamer.close()
         reader.close()
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32), QuantSpec(4, 64), QuantSpec(8, 32)],
+                         ids=lambda s: f"int{s.bits}g{s.group_size}")
+def test_int8_activations_fused_equals_unfused(spec, monkeypatch):
+    """--activations int8 (set_activations): each projection as the fused block runs it
+    (offload_block_project, from its proj_t with act_bits 8) gives the unfused path's bits for
+    the same x; whole decode steps agree with the torch ops to the rounding of x to 8 bits
+    (the two compute x in float32 in different orders: a code of x may land one step apart),
+    and the fused block ran."""
+    import array
+    from offload.models.quantized import set_activations
+    from offload.quant import cpu as quant_cpu
+    lib = decode_step.library()
+    if not lib.a8_taken(spec.bits, 64, spec.group_size):
+        pytest.skip("no int8-activation kernel on this CPU (AVX2)")
+    layer, _ = _layers(spec, seed=4)
+    set_activations(layer, "int8")
+    gen = torch.Generator().manual_seed(2)
+    for name in decode_step.PROJECTIONS:
+        p = layer.get_submodule(name)
+        pin = p.spec.padded_in(p.in_features)
+        parts = {n: getattr(p, n) for n in p.part_names}
+        fields = array.array("q", [p.qweight.data_ptr(), p.scales.data_ptr(), parts.get("mins", p.scales).data_ptr(),
+                                   spec.bits, p.out_features, p.in_features, pin,
+                                   pin // spec.groups(p.in_features), 8])
+        x, xpad, y = torch.randn(p.in_features, generator=gen), torch.empty(pin), torch.empty(p.out_features)
+        assert lib.project(fields.buffer_info()[0], x.data_ptr(), xpad.data_ptr(), y.data_ptr()) == 0
+        with torch.inference_mode():
+            unfused = p(x[None])[0]
+        assert torch.equal(y, unfused), name
+        assert not torch.equal(y, quant_cpu.rows_product(x[None], parts, spec, p.in_features)[0])
+    max_len = 8
+    caches = {k: [torch.zeros(1, CFG.num_key_value_heads, max_len, CFG.head_dim) for _ in range(2)]
+              for k in ("fused", "torch")}
+    for pos in range(4):
+        h = torch.randn(1, 1, CFG.hidden_size, generator=gen)
+        got = _step(layer, h, pos, caches["fused"], True, monkeypatch)
+        plain = _step(layer, h, pos, caches["torch"], False, monkeypatch)
+        scale = plain.abs().max().item()
+        assert (got - plain).abs().max().item() <= decode_step.CHECK_TOLERANCE_A8 * scale

@@ -215,3 +215,23 @@ def test_report_gives_the_bytes_a_step_reads_and_the_memory_floor(ckpt, tmp_path
     assert mem["read_gbps"] > 0 and mem["floor_s_per_step"] == pytest.approx(
         mem["read_per_step_bytes"] / mem["read_gbps"] / 1e9)
     assert "read per step from RAM" in err and "memory floor" in err
+
+
+def test_int8_activations_are_opt_in_and_reported(ckpt, tmp_path, capsys):
+    """--activations int8 without --quantize is refused in one line; with --quantize int4 the
+    report's kernels line names the int8-activation kernel (c-a8) where this CPU takes it, and
+    without the flag the run never takes it."""
+    from offload.quant import cpu as quant_cpu
+    from offload.quant.format import QuantSpec
+    base = ["--model", ckpt, "--prompt-ids", IDS, "--max-new-tokens", 3, "--offload-dir", tmp_path]
+    rc, _, err = _run(base + ["--activations", "int8"], capsys)
+    assert rc == 2 and "--activations int8" in err and "add --quantize int8|int4" in err
+    assert len([line for line in err.splitlines() if "--activations" in line]) == 1
+    quant = ["--quantize", "int4", "--group-size", "32"]
+    rc, _, err = _run(base + quant, capsys)
+    assert rc == 0 and "c-a8" not in err, err
+    if not quant_cpu.takes_a8(QuantSpec(4, 32), 64):
+        pytest.skip(f"no int8-activation kernel on this CPU: {quant_cpu.status()}")
+    rc, _, err = _run(base + quant + ["--activations", "int8"], capsys)
+    assert rc == 0, err
+    assert re.search(r"kernels: quantized products .*c-a8 \d+", err), err

@@ -315,8 +315,8 @@ def test_c_loop_or_chunked_is_measured_per_shape_from_nine_rows(monkeypatch):
         y24 = quant_linear(x24, parts, spec, in_f)
     assert torch.allclose(y24.double(), x24.double() @ deq.T, rtol=0, atol=1e-4)
     measured = quant.c_choices()
-    assert sorted(measured) == [(4, 32, out_f, in_f, 12), (4, 32, out_f, in_f, 24)]  # 8: C, unmeasured
-    got = measured[(4, 32, out_f, in_f, 12)]
+    assert sorted(measured) == [(4, 32, out_f, in_f, 12, "fp32"), (4, 32, out_f, in_f, 24, "fp32")]  # 8: C, unmeasured
+    got = measured[(4, 32, out_f, in_f, 12, "fp32")]
     assert got["kernel"] in ("c", "chunked") and min(got["seconds"].values()) > 0
     assert kernel_for(spec, in_f, x, parts) == got["kernel"]  # cached: no second measurement
     assert torch.allclose(y.double(), x.double() @ deq.T, rtol=0, atol=1e-4)

@@ -12,7 +12,8 @@
  *   per head: softmax(q . K[0..pos] * scale) . V[0..pos]  (its group's kv head)
  *   h += attn Wo^T;  x = rmsnorm(h) * ln2;  h += (silu(x Wg^T) * x Wu^T) Wd^T
  *
- * The projections are quant_gemv.c's one-row loops (included below, so they are the same
+ * The projections are quant_gemv.c's one-row loops (with int8 activations, quant_a8.c's, which
+ * quant_gemv.c includes; included below, so they are the same
  * code the unfused path runs, bit for bit: the same x gives the same y); the rest follows
  * RMSNorm / apply_rotary / SDPA / F.silu in llama.py, to float rounding (sums reassociated
  * and vectorised, exp from libm). Shapes the Python side has not checked are refused (1).
@@ -26,6 +27,7 @@ typedef struct {
     const uint16_t *scales;  /* fp16 bits [out, groups] */
     const uint16_t *mins;    /* int4: fp16 bits [out, groups]; int8: unused */
     int64_t bits, out_f, in_f, padded_in, gsize;
+    int64_t act_bits;        /* 8: x quantized per 32 columns where quant_a8.c takes it; 32: as given */
 } proj_t;
 
 typedef struct {
@@ -48,12 +50,22 @@ static int project(const proj_t *p, const float *x, float *xpad, float *y)
         memset(xpad + p->in_f, 0, (size_t)(p->padded_in - p->in_f) * sizeof(float));
         xin = xpad;
     }
+    /* the same choice as the unfused path (quant/cpu.py asks offload_a8_taken too) */
+    if (p->act_bits == 8 && a8_taken((int)p->bits, p->padded_in, p->gsize))
+        return a8_product((int)p->bits, (const uint8_t *)p->qweight, p->scales, p->mins, xin, y, 1,
+                          p->out_f, p->padded_in, p->gsize, 0, p->out_f);
     if (p->bits == 8) {
         q8_one_row((const int8_t *)p->qweight, p->scales, xin, y, p->padded_in, p->gsize, 0, p->out_f);
         return 0;
     }
     return offload_q4_row_natural((const uint8_t *)p->qweight, p->scales, p->mins, xin, y, 1,
                                   p->out_f, p->padded_in, p->gsize, 0, p->out_f);
+}
+
+/* One projection as the block runs it (decode_step.py's self-check holds it to the same math) */
+int offload_block_project(const proj_t *p, const float *x, float *xpad, float *y)
+{
+    return project(p, x, xpad, y);
 }
 
 /* out = w * (h * rsqrt(mean(h^2) + eps)), as RMSNorm's "llama" style in fp32 */

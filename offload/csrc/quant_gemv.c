@@ -575,3 +575,6 @@ int offload_q4_row_natural(const uint8_t *qw, const uint16_t *scales, const uint
     if (q4_one_row_x(qw, scales, mins, x, y, padded_in, gsize, o_begin, o_end) == 0) return 0;
     return q4_one_row(qw, scales, mins, x, y, padded_in, gsize, o_begin, o_end);
 }
+
+/* int8-quantized activations (opt-in, --activations int8): their own file, one library */
+#include "quant_a8.c"

@@ -19,6 +19,9 @@ QuantLinear int8 / int4 weights the C one-row loops take; where the unfused path
 on one thread (quant/cpu.py SPLIT_MIN_ELEMENTS: SmolLM2's sizes; a 1B model's projections split
 over the cores and stay on the unfused path), and where $OFFLOAD_QUANT_KERNEL does not force
 another kernel. $OFFLOAD_DECODE_STEP=off turns it off (tests compare the two).
+With int8 activations (QuantLinear.activations, `--activations int8`) each projection's
+proj_t carries act_bits 8 and the block runs quant_a8.c's loops where the unfused path would
+(the same offload_a8_taken answer): a projection gives the unfused path's bits for the same x.
 
 The library is built with -march=native and runs only where a child process checked it on this
 CPU (offload/kernel_trust.py: `check_block_library` runs the fused block on random int4 and int8
@@ -49,6 +52,15 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # block_t's order
 LIBRARY_PROBE = "offload.models.decode_step:check_block_library"
 CHECK_TOLERANCE = 1e-4  # relative to the largest output: float32 rounding over a whole block
+# int8 activations, the whole block: against the block in float64 whose products quantize their
+# x as the kernel does (quant_cpu.a8_reference) -- but from x computed in float64, so a code of
+# x is now and then one step off where the float32 and float64 x round to different sides, and
+# attention carries it on: measured 2e-5 to 1.6e-3 (int4), 1e-7 (int8) on the self-check's
+# blocks, against 6e-3 to 1.8e-2 for the fp32-activation block. Each projection as the block
+# runs it is held to the same math from the same float32 x at quant_cpu.A8_CHECK_TOLERANCE
+# (_check_a8_projections), and the fused block equals the unfused one bit for bit
+# (tests/test_decode_step.py).
+CHECK_TOLERANCE_A8 = 5e-3
 _state: dict[str, object] = {}
 _lock = threading.Lock()
 _scratch = threading.local()  # per thread: one float32 buffer, grown as needed
@@ -56,16 +68,24 @@ counts = {"blocks": 0}  # blocks computed by this path in this process (tests, r
 
 
 def _flags() -> list[str]:
-    # decode_block.c includes quant_gemv.c: its digest in the flags puts it in the build's key
+    # decode_block.c includes quant_gemv.c (which includes quant_a8.c): its digest in the flags
+    # puts it in the build's key, and build_flags adds the files it includes
     digest = hashlib.sha256((_CSRC / "quant_gemv.c").read_bytes()).hexdigest()[:16]
-    return quant_cpu._FLAGS + [f"-DQUANT_GEMV_DIGEST=0x{digest}ULL"]
+    return quant_cpu.build_flags() + [f"-DQUANT_GEMV_DIGEST=0x{digest}ULL"]
 
 
 class _Lib:
     def __init__(self, path: Path) -> None:
-        self.fn = ctypes.CDLL(str(path)).offload_decode_block
+        lib = ctypes.CDLL(str(path))
+        self.fn = lib.offload_decode_block
         self.fn.argtypes = [ctypes.c_void_p]
         self.fn.restype = ctypes.c_int
+        self.a8_taken = lib.offload_a8_taken  # quant_a8.c's, as built into this library
+        self.a8_taken.argtypes = [ctypes.c_int64] * 3
+        self.a8_taken.restype = ctypes.c_int
+        self.project = lib.offload_block_project  # (proj_t *, x, xpad, y): one projection
+        self.project.argtypes = [ctypes.c_void_p] * 4
+        self.project.restype = ctypes.c_int
 
 
 def library() -> _Lib | None:
@@ -98,6 +118,8 @@ class _Plan:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.eps = layer.input_layernorm.eps
         self.scale = attn.scale if attn.scale is not None else self.head_dim ** -0.5
+        # proj_t's int64 fields: bits, out, in, padded in, group (then activation bits, read
+        # on every call: set_activations may change them after the plan is made)
         self.shapes = [(p.spec.bits, p.out_features, p.in_features, p.spec.padded_in(p.in_features),
                         p.spec.padded_in(p.in_features) // p.spec.groups(p.in_features)) for p in projections]
         # the unfused path's thread rule (quant/cpu.py _run): one thread below 2x the threshold
@@ -116,6 +138,10 @@ class _Plan:
     def current(self) -> bool:
         """The layer still holds these projections (not since wrapped, by LoRA say)."""
         return all(children[name] is proj for children, name, proj in self._children)
+
+    def activation_bits(self) -> list[int]:
+        """Per projection, proj_t's act_bits: 8 where it takes x as int8 (QuantLinear.activations)."""
+        return [8 if getattr(p, "activations", "fp32") == "int8" else 32 for p in self.projections]
 
     def pointers(self) -> list[int]:
         """The parts' and norms' addresses now (the streamer rebinds them between steps)."""
@@ -217,11 +243,12 @@ def _scratch_for(floats: int) -> torch.Tensor:
 def run(lib: _Lib, plan: _Plan, hidden: torch.Tensor, cos, sin, k_cache, v_cache, scratch,
         pos: int, max_len: int) -> None:
     """Fill block_t (all 8-byte fields, in decode_block.c's order) and call the block."""
-    ptrs = plan.pointers()
+    ptrs, act_bits = plan.pointers(), plan.activation_bits()
     fields: list[int] = []
     for i, shape in enumerate(plan.shapes):
         fields += ptrs[3 * i:3 * i + 3]
         fields += shape
+        fields.append(act_bits[i])
     fields += ptrs[-2:] + [cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                            hidden.data_ptr(), scratch.data_ptr()]
     fields += plan.tail + [max_len, pos] + plan.doubles
@@ -231,7 +258,7 @@ def run(lib: _Lib, plan: _Plan, hidden: torch.Tensor, cos, sin, k_cache, v_cache
 
 
 # ---- the self-check ------------------------------------------------------------------------------
-def _namespace_block(spec: QuantSpec, gen: torch.Generator):
+def _namespace_block(spec: QuantSpec, gen: torch.Generator, activations: str = "fp32"):
     """A random block as the attributes a _Plan reads (no modules: this file cannot import
     llama.py), and its float64 weights: hidden 64, MLP 176 (groups of 32: down_proj's last
     padded), 4 query heads on 2 kv heads of 16."""
@@ -242,7 +269,8 @@ def _namespace_block(spec: QuantSpec, gen: torch.Generator):
     proj, dense = {}, {}
     for name, (out_f, in_f) in shapes.items():
         parts = quantize(torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5, spec)
-        proj[name] = NS(spec=spec, in_features=in_f, out_features=out_f, **parts, bias=None)
+        proj[name] = NS(spec=spec, in_features=in_f, out_features=out_f, **parts, bias=None,
+                        activations=activations)
         proj[name].mins = parts.get("mins")
         dense[name] = dequantize(parts, spec, in_f, torch.float64)
     norms = [NS(weight=1 + 0.2 * torch.randn(hidden, generator=gen), eps=1e-5) for _ in range(2)]
@@ -253,9 +281,20 @@ def _namespace_block(spec: QuantSpec, gen: torch.Generator):
     return layer, dense
 
 
+def _a8_products(layer):
+    """name -> x float64 [in] -> y float64 [out]: the products with x quantized as quant_a8.c does."""
+    def product(name: str):
+        p = getattr(layer.self_attn if name.startswith("self_attn") else layer.mlp, name.split(".")[1])
+        parts = {"qweight": p.qweight, "scales": p.scales, **({"mins": p.mins} if p.mins is not None else {})}
+        return lambda x: quant_cpu.a8_reference(x.float()[None], parts, p.spec, p.in_features)[0]
+    return {n: product(n) for n in PROJECTIONS}
+
+
 def _reference(layer, dense, h, cos, sin, cache, pos: int) -> torch.Tensor:
-    """The block in float64 (plain torch, llama.py's order of operations); writes cache[pos]."""
+    """The block in float64 (plain torch, llama.py's order of operations); writes cache[pos].
+    `dense`: name -> the float64 weight, or -> a function of x (int8 activations)."""
     attn, d = layer.self_attn, layer.self_attn.head_dim
+    dense = {n: (w if callable(w) else w.__matmul__) for n, w in dense.items()}
 
     def norm(x, n):
         return n.weight.double() * (x * torch.rsqrt(x.pow(2).mean() + n.eps))
@@ -264,16 +303,36 @@ def _reference(layer, dense, h, cos, sin, cache, pos: int) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
     x = norm(h, layer.input_layernorm)
-    q, k, v = (dense[n] @ x for n in PROJECTIONS[:3])
+    q, k, v = (dense[n](x) for n in PROJECTIONS[:3])
     q, k = rotate(q.reshape(-1, d)), rotate(k.reshape(-1, d))
     cache[0][:, pos], cache[1][:, pos] = k, v.reshape(-1, d)
     group = attn.num_heads // attn.num_kv_heads
     keys, values = (c[:, :pos + 1].repeat_interleave(group, dim=0) for c in cache)  # [heads, S, D]
     p = torch.softmax((keys @ q[:, :, None])[..., 0] * d ** -0.5, dim=-1)  # [heads, S]
-    h = h + dense["self_attn.o_proj"] @ (p[:, None, :] @ values)[:, 0].reshape(-1)
+    h = h + dense["self_attn.o_proj"]((p[:, None, :] @ values)[:, 0].reshape(-1))
     x = norm(h, layer.post_attention_layernorm)
-    g, u = dense["mlp.gate_proj"] @ x, dense["mlp.up_proj"] @ x
-    return h + dense["mlp.down_proj"] @ (g * torch.sigmoid(g) * u)
+    g, u = dense["mlp.gate_proj"](x), dense["mlp.up_proj"](x)
+    return h + dense["mlp.down_proj"](g * torch.sigmoid(g) * u)
+
+
+def _check_a8_projections(lib: _Lib, layer, gen: torch.Generator) -> str | None:
+    """Each projection of `layer`, int8 activations, through the block's own project()
+    (offload_block_project) against quant_cpu.a8_reference from the same float32 x."""
+    for name in PROJECTIONS:
+        p = getattr(layer.self_attn if name.startswith("self_attn") else layer.mlp, name.split(".")[1])
+        pin = p.spec.padded_in(p.in_features)
+        fields = array.array("q", [p.qweight.data_ptr(), p.scales.data_ptr(),
+                                   (p.mins if p.mins is not None else p.scales).data_ptr(), p.spec.bits,
+                                   p.out_features, p.in_features, pin, pin // p.spec.groups(p.in_features), 8])
+        x, xpad, y = torch.randn(p.in_features, generator=gen), torch.empty(pin), torch.empty(p.out_features)
+        if lib.project(fields.buffer_info()[0], x.data_ptr(), xpad.data_ptr(), y.data_ptr()) != 0:
+            return f"self-check: {name} (int8 activations) refused its arguments"
+        parts = {"qweight": p.qweight, "scales": p.scales, **({"mins": p.mins} if p.mins is not None else {})}
+        want = quant_cpu.a8_reference(x[None], parts, p.spec, p.in_features)[0]
+        err = ((y.double() - want).abs().max() / want.abs().max()).item()
+        if not err < quant_cpu.A8_CHECK_TOLERANCE:
+            return f"self-check: int{p.spec.bits} {name} (int8 activations): relative error {err:.3g} vs the same math"
+    return None
 
 
 def _self_check(lib: _Lib) -> str | None:
@@ -283,8 +342,16 @@ def _self_check(lib: _Lib) -> str | None:
     to llama.py's DecoderLayer as well)."""
     gen = torch.Generator().manual_seed(11)
     pos, max_len = 5, 9
-    for spec in (QuantSpec(4, 32), QuantSpec(8, 32)):
-        layer, dense = _namespace_block(spec, gen)
+    for spec, act in ((QuantSpec(4, 32), "fp32"), (QuantSpec(8, 32), "fp32"), (QuantSpec(4, 32), "int8"),
+                      (QuantSpec(8, 32), "int8")):
+        layer, dense = _namespace_block(spec, gen, act)
+        if act == "int8":
+            if not all(lib.a8_taken(spec.bits, p, 32) for p in (64, 192)):
+                continue  # this build keeps x in fp32 (no AVX2): the cases above
+            dense = _a8_products(layer)
+            why = _check_a8_projections(lib, layer, gen)
+            if why is not None:
+                return why
         plan, d = _Plan(layer, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                 layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                 layer.mlp.down_proj]), layer.self_attn.head_dim
@@ -300,6 +367,6 @@ def _self_check(lib: _Lib) -> str | None:
         for what, mine, ref in (("output", got.reshape(-1), want), ("keys", cache[0][0], ref_cache[0]),
                                 ("values", cache[1][0], ref_cache[1])):
             err = ((mine.double() - ref).abs().max() / ref.abs().max()).item()
-            if not err < CHECK_TOLERANCE:
-                return f"self-check: int{spec.bits} {what}: relative error {err:.3g} vs float64"
+            if not err < (CHECK_TOLERANCE if act == "fp32" else CHECK_TOLERANCE_A8):
+                return f"self-check: int{spec.bits} ({act} activations) {what}: relative error {err:.3g} vs float64"
     return None

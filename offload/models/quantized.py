@@ -49,6 +49,7 @@ from nvme.io import IOEngine
 from offload.memory.layout import TensorRange
 from offload.models.config import (ModelConfig, block_parameter_shapes, block_prefix, input_major,
                                    projection_names)
+from offload.quant.cpu import ACTIVATIONS
 from offload.quant.matmul import check_kernels, quant_linear
 from offload.quant.format import QuantError, QuantSpec, from_gguf, packed_bytes, quantize
 
@@ -78,7 +79,11 @@ def part_shapes(out_f: int, in_f: int, spec: QuantSpec) -> dict[str, tuple[tuple
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W kept as group-wise codes and scales (offload/quant/format.py). The
     parts are parameters (requires_grad False) so that the block streamer binds them like any
-    weight; they are made on meta and given storage by the streamer."""
+    weight; they are made on meta and given storage by the streamer. `activations` "int8"
+    (set_activations; opt-in, --activations int8): x quantized per 32 columns in the C loop
+    (offload/quant/matmul.py), else "fp32" (x as given)."""
+
+    activations = "fp32"
 
     def __init__(self, in_features: int, out_features: int, spec: QuantSpec, bias: bool,
                  dtype: torch.dtype, device: torch.device | str = "meta"):
@@ -95,20 +100,34 @@ class QuantLinear(nn.Module):
         parts = {n: getattr(self, n) for n in self.part_names}
         # the parts were made to part_shapes and are only ever rebound to views of those
         # shapes and dtypes (the streamer's byte blocks): no check per call
-        return quant_linear(x, parts, self.spec, self.in_features, self.bias, checked=True)
+        return quant_linear(x, parts, self.spec, self.in_features, self.bias, checked=True,
+                            activations=self.activations)
 
     def extra_repr(self) -> str:
         g = self.spec.group_size or self.in_features
-        return f"in={self.in_features}, out={self.out_features}, int{self.spec.bits}, group={g}"
+        a8 = ", int8 activations" if self.activations == "int8" else ""
+        return f"in={self.in_features}, out={self.out_features}, int{self.spec.bits}, group={g}{a8}"
+
+
+def set_activations(model: nn.Module, activations: str) -> None:
+    """Every QuantLinear of `model` (blocks and a quantized head) takes x as `activations`."""
+    if activations not in ACTIVATIONS:
+        raise QuantError(f"activations {activations!r}: use one of {', '.join(ACTIVATIONS)}")
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.activations = activations
 
 
 # ---- which projection gets which spec --------------------------------------------------------
 @dataclass(frozen=True)
 class QuantSettings:
-    """What the user asked for: `mode` int8|int4 and the group size (0: the mode's default,
-    PER_CHANNEL: one scale per output row)."""
+    """What the user asked for: `mode` int8|int4, the group size (0: the mode's default,
+    PER_CHANNEL: one scale per output row) and how the products take x: `activations` "fp32"
+    (as given, the default) or "int8" (quantized per 32 columns: faster, different math, opt-in;
+    not part of the stored codes, so not of the cache key)."""
     mode: str
     group_size: int = 0
+    activations: str = "fp32"
 
     def spec(self) -> QuantSpec:
         if self.mode not in QUANT_MODES:
@@ -116,6 +135,8 @@ class QuantSettings:
         if self.group_size == PER_CHANNEL and self.mode != "int8":
             raise QuantError("one scale per output channel is for int8; int4 needs groups "
                              "(e.g. --group-size 32, 64, 128)")
+        if self.activations not in ACTIVATIONS:
+            raise QuantError(f"--activations {self.activations!r}: use one of {', '.join(ACTIVATIONS)}")
         g = 0 if self.group_size == PER_CHANNEL else self.group_size or DEFAULT_GROUP[self.mode]
         spec = QuantSpec(bits=8 if self.mode == "int8" else 4, group_size=g)
         spec.validate()
@@ -402,12 +423,13 @@ def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence
                             nvme_ahead: int = 2, io: IOEngine | None = None,
                             zero_copy_host: bool | None = None, fetch_delay_s: float = 0.0,
                             progress: Callable[[int], None] | None = None, experts=None,
-                            head: QuantSpec | None = None):
+                            head: QuantSpec | None = None, activations: str = "fp32"):
     """(model, attached streamer): non-block weights from `reader` in `dtype` on the device, the
     quantized blocks streamed as byte blocks from `blocks`' files per `residency`; `experts`
     (offload.stream.experts.ExpertPlacement): an MoE model's experts placed one by one, each its
     quantized bytes (see offload.models.streaming.load_streamed); `head`: the vocabulary head
-    quantized too (HEAD_SPEC: what runners.infer --quantize does), else dense."""
+    quantized too (HEAD_SPEC: what runners.infer --quantize does), else dense; `activations`:
+    set_activations for every quantized projection (and the head)."""
     from offload.models.llama import build_model, materialize_non_block
     from offload.models.streaming import stream_blocks
 
@@ -420,6 +442,7 @@ def load_quantized_streamed(reader, blocks: QuantizedBlocks, residency: Sequence
     materialize_non_block(model, device, dtype, reader)
     if head is not None:
         quantize_head(model, head, dtype)
+    set_activations(model, activations)
     files = [blocks.ranges(i) for i in range(reader.config.num_hidden_layers)]
     return stream_blocks(model, reader, files, residency, torch.uint8, experts, device=device,
                          dtype=torch.uint8, host_ahead=host_ahead, nvme_ahead=nvme_ahead, io=io,

@@ -35,6 +35,11 @@ ms for the 1B Llama shapes 2048x2048 / 8192x2048 / 2048x8192, cold weights):
   the 1B shapes). Taken whenever it applies and was built; from 9 rows to 64 its register-
   blocked loop, timed against the chunked kernel per shape (below).
 $OFFLOAD_QUANT_KERNEL=dense|chunked|fused|c forces a kernel (fused and c only where they apply).
+
+`activations="int8"` (opt-in: `--activations int8`; it changes the math, so the tokens may
+change): the C loop quantizes x per 32 columns and multiplies in 8-bit integer dot products
+(offload/csrc/quant_a8.c, offload/quant/README.md), where this CPU takes them (AVX2, groups of a
+multiple of 32); reported as kernel "c-a8". The other kernels keep x in floating point.
 """
 
 from __future__ import annotations
@@ -127,7 +132,7 @@ def check_int8pack(case: tuple[int, int]) -> str | None:
 
 
 def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor,
-               parts: dict[str, torch.Tensor] | None = None) -> str:
+               parts: dict[str, torch.Tensor] | None = None, activations: str = "fp32") -> str:
     """The kernel quant_linear runs for x2d [rows, in] and the weight's `parts`: fused where it
     applies (which needs `parts`: its shape is checked), the C loop where it applies, chunked
     otherwise (or what $OFFLOAD_QUANT_KERNEL forces). From C_MEASURED_FROM_ROWS rows on, given the weight's
@@ -142,7 +147,7 @@ def kernel_for(spec: QuantSpec, in_features: int, x2d: torch.Tensor,
         rows = x2d.shape[0]
         if forced == "c" or (rows < C_MEASURED_FROM_ROWS or parts is None) and rows <= quant_cpu.ROWS_MAX[spec.bits]:
             return "c"
-        return "chunked" if parts is None else _c_or_chunked(parts, spec, in_features, x2d)
+        return "chunked" if parts is None else _c_or_chunked(parts, spec, in_features, x2d, activations)
     return "chunked"
 
 
@@ -156,15 +161,15 @@ C_MEASURED_FROM_ROWS = 9
 C_PROBE_BYTES = 16 << 20  # packed weight bytes (its first rows) a timed call reads at most
 C_PROBE_REPEATS = 3  # timed calls of each kernel, alternating, after one untimed; fastest kept
 C_EVICT_BYTES = 64 << 20  # read before each timed call: decode reads every weight from memory
-_c_choice: dict[tuple, str] = {}  # (bits, group, out, in, rows) -> "c" | "chunked"
+_c_choice: dict[tuple, str] = {}  # (bits, group, out, in, rows, activations) -> "c" | "chunked"
 _c_timings: dict[tuple, dict[str, float]] = {}
 _c_lock = threading.Lock()
 
 
 def _c_or_chunked(parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
-                  x2d: torch.Tensor) -> str:
+                  x2d: torch.Tensor, activations: str = "fp32") -> str:
     qw = parts["qweight"]
-    key = (spec.bits, spec.group_size, qw.shape[0], in_features, x2d.shape[0])
+    key = (spec.bits, spec.group_size, qw.shape[0], in_features, x2d.shape[0], activations)
     hit = _c_choice.get(key)
     if hit is not None:
         return hit
@@ -177,7 +182,7 @@ def _c_or_chunked(parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: 
             probe = {k: (t[:n] if t is not None else None) for k, t in parts.items()}
             qw_, sc_, mn_ = check_parts(probe, spec, in_features)
             x = x2d.float()
-            run = {"c": lambda: quant_cpu.rows_product(x2d, probe, spec, in_features),
+            run = {"c": lambda: quant_cpu.rows_product(x2d, probe, spec, in_features, activations),
                    "chunked": lambda: _chunked(x, qw_, sc_, mn_, spec, in_features)}
             evict = torch.empty(C_EVICT_BYTES // 4, dtype=torch.float32).fill_(1.0)
             best = {name: float("inf") for name in run}
@@ -195,7 +200,7 @@ def _c_or_chunked(parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: 
 
 
 def c_choices() -> dict[tuple, dict]:
-    """What was measured and chosen so far: {(bits, group, out, in, rows): {"kernel": name,
+    """What was measured and chosen so far: {(bits, group, out, in, rows, activations): {"kernel": name,
     "seconds": {kernel: best seconds}}} (reports, tests)."""
     return {k: {"kernel": v, "seconds": dict(_c_timings[k])} for k, v in _c_choice.items()}
 
@@ -323,13 +328,14 @@ def _parts(qw: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None) -> dict[
 
 def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
                  bias: torch.Tensor | None = None, *, kernel: str | None = None,
-                 checked: bool = False) -> torch.Tensor:
+                 checked: bool = False, activations: str = "fp32") -> torch.Tensor:
     """x [..., in] (float32 / bfloat16 / float16, CPU or CUDA) @ W^T (+ bias) -> [..., out] in x's
     dtype, W the dequantized weight; never a dense copy of W (except kernel="dense").
     On the CPU the chunked kernel computes in float32 (bf16 GEMMs of 32-256 rows ran 2-7x slower
     than float32 here: no AVX-512 BF16), on CUDA in x's dtype. `kernel` overrides kernel_for.
     `checked`: the parts are known to fit spec and in_features (a QuantLinear's, made to its
-    shapes): their check is skipped, ~8 us of a decode step's ~50-150 us projection."""
+    shapes): their check is skipped, ~8 us of a decode step's ~50-150 us projection.
+    `activations` "int8": the C loop quantizes x per 32 columns (module docstring)."""
     if checked:
         qw, sc, mn = parts["qweight"], parts["scales"], parts.get("mins")
     else:
@@ -345,7 +351,8 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
         # recompute, evaluation) always the dense product: autograd cannot go through the
         # chunks' out= products, and a checkpointed forward must compute exactly what its
         # recompute does (the fast kernels round differently), as models.llama.project does
-        kernel = kernel_for(spec, in_features, x2d, parts) if torch.is_inference_mode_enabled() else "dense"
+        kernel = (kernel_for(spec, in_features, x2d, parts, activations)
+                  if torch.is_inference_mode_enabled() else "dense")
     elif kernel not in KERNELS or (kernel == "fused" and not fused_applies(spec, in_features, x2d, out_f)) or (
             kernel == "c" and not quant_cpu.applies(spec, in_features, x2d)):
         raise QuantError(f"kernel={kernel!r}: use dense or chunked (fused: per-channel int8, bf16 x "
@@ -353,7 +360,8 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
                          f"(kernel_trust.verdicts()); c: the CPU, at most "
                          f"{quant_cpu.ROWS_MEASURED_MAX} rows, built)")
     cdt = torch.float32 if x.device.type == "cpu" else x.dtype
-    _ran[kernel] = _ran.get(kernel, 0) + 1
+    name = "c-a8" if kernel == "c" and activations == "int8" and quant_cpu.takes_a8(spec, in_features) else kernel
+    _ran[name] = _ran.get(name, 0) + 1
     if x2d.shape[0] == 0:
         y = x2d.new_zeros(0, out_f)
     elif kernel == "fused":
@@ -367,7 +375,7 @@ def quant_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], spec: QuantSpe
     elif kernel == "dense":
         y = F.linear(x2d.to(cdt), dequantize(parts, spec, in_features, cdt))
     elif kernel == "c":
-        y = quant_cpu.rows_product(x2d, parts, spec, in_features)
+        y = quant_cpu.rows_product(x2d, parts, spec, in_features, activations)
     else:
         y = _chunked(x2d.to(cdt), qw, sc, mn, spec, in_features)
     if bias is not None:
