@@ -129,7 +129,7 @@ class NvmeState:
     def __init__(self, blocks: list[Block], store, buffer_count: int, account: MemoryAccount,
                  read_link: LinkCounter, write_link: LinkCounter, prefetch: bool = True,
                  sub_group_params: int = 1 << 25, ranges: list[tuple[int, int]] | None = None,
-                 cuts: list[list[int]] | None = None):
+                 cuts: list[list[int]] | None = None, versions: bool = False):
         from nvme import aligned_empty  # page-aligned: O_DIRECT reads/writes go straight in
 
         self.blocks = blocks
@@ -157,6 +157,15 @@ class NvmeState:
         for lo, hi in self.ranges:
             account.add("nvme", "masters", (hi - lo) * 4)
             account.add("nvme", "moments", (hi - lo) * 8)
+            if versions:
+                account.add("nvme", "rollback", (hi - lo) * 12)
+        # `versions` (the speculative step, offload/train/speculative.py): each unit's files
+        # exist in two versions, `gen[u]` the committed one. A step writes the other; end_step
+        # makes what it wrote committed, discard_written() forgets it -- the committed files
+        # were never touched, so rolling a unit back is reading it again.
+        self.versions = versions
+        self.gen = [0] * len(self.unit_names)
+        self.written: set[int] = set()  # units written (to their other version) this update
         self.free: deque[int] = deque(range(buffer_count))
         self.writing: dict[int, list] = {}  # set -> pending write handles
         self.reading: dict[int, tuple[int, list]] = {}  # unit -> (set, pending read handles)
@@ -177,8 +186,21 @@ class NvmeState:
     def units_of(self, bi: int) -> list[tuple[int, int, int]]:
         return self.block_units[bi]
 
-    def name(self, u: int, kind: str) -> str:
-        return f"{self.unit_names[u]}.{kind}"
+    def name(self, u: int, kind: str, gen: int | None = None) -> str:
+        """Unit u's swap name for `kind`: its committed version (default) or version `gen`."""
+        gen = self.gen[u] if gen is None else gen
+        return f"{self.unit_names[u]}.{kind}" + (".v1" if gen else "")
+
+    def discard_written(self) -> None:
+        """Forget this update's writes (versions only): every unit reads its committed files
+        again. Staged read-aheads hold committed data and stay."""
+        self._join()
+        self.written.clear()
+
+    @staticmethod
+    def rollback_bytes(numels: list[int]) -> PlanBytes:
+        """The second version of every unit's files (versions=True)."""
+        return {("nvme", "rollback"): sum(numels) * 12}
 
     def _views(self, si: int, u: int) -> tuple[torch.Tensor, ...]:
         n = self.unit_numel[u]
@@ -193,7 +215,7 @@ class NvmeState:
             master.copy_(master_fp32[lo:hi])
             m.zero_()
             v.zero_()
-            self._write(si, u)
+            self._write(si, u, committed=True)
 
     # -- pipeline ---------------------------------------------------------------------------
     def _take_set(self, block: bool) -> int | None:
@@ -266,8 +288,12 @@ class NvmeState:
         self.free.append(si)
         self.queue.insert(1, victim)
 
-    def _write(self, si: int, u: int) -> None:
-        self.writing[si] = [self.store.write(self.name(u, kind), view)
+    def _write(self, si: int, u: int, committed: bool = False) -> None:
+        gen = None
+        if self.versions and not committed:  # beside the committed version, never over it
+            gen = 1 - self.gen[u]
+            self.written.add(u)
+        self.writing[si] = [self.store.write(self.name(u, kind, gen), view)
                             for kind, view in zip(STATE_KINDS, self._views(si, u))]
         self.write_link.add(self.unit_numel[u] * 12)
 
@@ -287,6 +313,9 @@ class NvmeState:
         of in front of them. Every other entry point joins the tail first (`_join`), so only
         one thread ever touches the pipeline's state at a time."""
         self._join()
+        for u in self.written:  # versions: what this step wrote is the committed state now
+            self.gen[u] = 1 - self.gen[u]
+        self.written.clear()
         self._tail = self._tail_thread.submit(self._finish_step, next_order, step)
 
     def _finish_step(self, next_order: list[int], step: int) -> None:

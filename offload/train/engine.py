@@ -36,6 +36,7 @@ from offload.train.experts import drop_stepped, expert_ranges, untouched_experts
 from offload.train.parts import Parts
 from offload.train.paths import AfterBackward, Overlapped
 from offload.train.replay import ExpertReplay
+from offload.train.speculative import Speculative
 from offload.train.stepper import BlockStepper, StepReport, Updates
 
 
@@ -107,6 +108,7 @@ class Engine:
             self.replay.attach(model)
         # how the step meets backward: a policy object (offload/train/paths.py), the plan's
         self.path: AfterBackward = {"after": AfterBackward, "overlapped": Overlapped,
+                                    "speculative": Speculative,
                                     "delayed": Delayed}[self.plan.step_path](
             self.parts, self.stepper, self.updates)
         self._fwd_t0: float | None = None
@@ -313,7 +315,7 @@ class Engine:
     @property
     def overlap(self) -> bool:
         """Blocks are stepped during backward (the overlapped step path)."""
-        return self.path.name == "overlapped"
+        return self.path.name in ("overlapped", "speculative")
 
     @property
     def delayed(self) -> Delayed | None:
