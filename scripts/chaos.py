@@ -256,7 +256,7 @@ def checkpoint_step(output: str) -> int | None:
 # calls per update of each in-process kill point with the tiny preset (4 layers, 5 blocks, 3
 # swap files per block), per micro-batch for forward/backward
 RATES = {"forward": 4, "backward": 4, "cpu-step": 5, "swap-write": 15,
-         "rollback": 4}  # blocks stepped during backward, where every update rolls back
+         "rollback": 5}  # blocks stepped during backward (all 5), where every update rolls back
 
 
 def choose_kill(rng: random.Random, remaining: int, save_every: int, max_delay: float,

@@ -161,7 +161,7 @@ def test_plan_counts_the_pre_step_copies(tmp_path):
         nvme.close()
 
 
-def test_refusals():
+def test_what_turns_it_on_and_what_is_refused():
     with pytest.raises(ConfigError, match="choose one"):
         OffloadConfig(speculative_step=True, delayed_update=True)
     with pytest.raises(ConfigError, match="needs overlap_step"):
@@ -170,6 +170,10 @@ def test_refusals():
         OffloadConfig(speculative_step=True, grad_clip=1.0).step_path(world=2)
     # nothing global to wait for: the plain overlapped step, no copies
     assert OffloadConfig(speculative_step=True, dtype="bf16").step_path()[0] == "overlapped"
+    # DeepSpeed's SuperOffload switch
+    ds = OffloadConfig.from_dict({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "super_offload": True}}, "gradient_clipping": 1.0})
+    assert ds.speculative_step and ds.step_path()[0] == "speculative"
 
 
 def test_killed_during_a_rollback_resumes_exactly(tmp_path):
@@ -191,5 +195,6 @@ def test_killed_during_a_rollback_resumes_exactly(tmp_path):
     assert camp.problems == [] and camp.kills == 1, report
     assert "rollback" in camp.launches[0].killed_in, report
     assert camp.launches[-1].outcome == "completed", report
+    assert camp.launches[1].resumed and camp.launches[1].from_step == 1, report  # in update 2
     with open(os.path.join(str(tmp_path / "spec"), "chaos", "metrics.jsonl")) as f:
         assert all(json.loads(line)["rolled_back"] for line in f)

@@ -140,6 +140,10 @@ class Speculative(Overlapped):
         t0 = time.perf_counter()
         self.rollbacks += 1
         rep.rolled_back = True
+        o = self.job_rep  # the speculative steps' time on the step thread: spent, then undone
+        rep.cpu_step_s += o.cpu_step_s
+        rep.upload_s += o.upload_s
+        rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
         self.pre_step.restore()
         # the weights written from the speculative masters, rebuilt from the restored ones
         for bi in sorted(update.stepped):
