@@ -31,7 +31,7 @@ import time
 from concurrent.futures import Future
 from offload.train.errors import NonFiniteError
 from offload.train.parts import Parts
-from offload.train.stepper import BlockStepper, StepReport, Updates
+from offload.train.stepper import BlockStepper, StepReport, Update, Updates
 
 
 class AfterBackward:
@@ -121,11 +121,12 @@ class Overlapped(AfterBackward):
         """Called when block bi's final gradients have landed (autograd thread on CPU, landing
         worker on CUDA): step it on the step thread while backward continues."""
         if self._finite(bi):
-            self.jobs.append(self.parts.step_thread.submit(self.step_landed, bi))
+            self.jobs.append(self.parts.step_thread.submit(
+                self.step_landed, self.updates.current, bi))
 
-    def step_landed(self, bi: int) -> None:
-        """On the step thread: block bi's step in the update begun in backward."""
-        self.stepper.step_block(self.updates.current, bi, self.job_rep)
+    def step_landed(self, u: Update, bi: int) -> None:
+        """On the step thread: block bi's step in `u`, the update begun in backward."""
+        self.stepper.step_block(u, bi, self.job_rep)
 
     def block_reducing(self, bi: int) -> None:
         """Across ranks: block bi's gradients all landed on this rank and their reduction was
@@ -136,7 +137,7 @@ class Overlapped(AfterBackward):
 
     def _step_reduced(self, bi: int) -> None:
         self.parts.reductions.complete_through(bi)
-        self.step_landed(bi)
+        self.step_landed(self.updates.current, bi)
 
     def _finite(self, bi: int) -> bool:
         """Block bi's gradients (this rank's) are finite; else it is not stepped, nor any

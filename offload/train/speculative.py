@@ -103,9 +103,9 @@ class Speculative(Overlapped):
         """What Updates.grad_scale gives when nothing clips or overflows: 1/loss_scale."""
         return 1.0 / self.updates.counters.loss_scale
 
-    def step_landed(self, bi: int) -> None:
-        self.pre_step.save(bi)
-        super().step_landed(bi)
+    def step_landed(self, u: Update, bi: int) -> None:
+        self.pre_step.save(bi)  # before the step touches the block's state
+        super().step_landed(u, bi)
 
     def step(self, rep: StepReport) -> bool:
         # a block with inf/nan gradients was not stepped, nor any after it (Overlapped._finite):
