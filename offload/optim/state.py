@@ -160,12 +160,16 @@ class NvmeState:
             if versions:
                 account.add("nvme", "rollback", (hi - lo) * 12)
         # `versions` (the speculative step, offload/train/speculative.py): each unit's files
-        # exist in two versions, `gen[u]` the committed one. A step writes the other; end_step
-        # makes what it wrote committed, discard_written() forgets it -- the committed files
-        # were never touched, so rolling a unit back is reading it again.
+        # exist in two versions, `gen[u]` the committed one. From write_beside() on, writes go
+        # to the other version; end_step makes what was written committed, discard_written()
+        # forgets it -- the committed files were never touched, so rolling a unit back is
+        # reading it again. Other writes (outside a speculative update: initialisation, a
+        # lazy expert replay during forward, a load) replace the committed version in place.
         self.versions = versions
         self.gen = [0] * len(self.unit_names)
-        self.written: set[int] = set()  # units written (to their other version) this update
+        self.beside = False  # writes go beside the committed files (between write_beside and
+        # end_step / discard_written)
+        self.written: set[int] = set()  # units written beside this update
         self.free: deque[int] = deque(range(buffer_count))
         self.writing: dict[int, list] = {}  # set -> pending write handles
         self.reading: dict[int, tuple[int, list]] = {}  # unit -> (set, pending read handles)
@@ -191,11 +195,20 @@ class NvmeState:
         gen = self.gen[u] if gen is None else gen
         return f"{self.unit_names[u]}.{kind}" + (".v1" if gen else "")
 
+    def write_beside(self) -> None:
+        """This update's writes go beside the committed files until end_step or
+        discard_written (versions only)."""
+        assert self.versions, "write_beside needs NvmeState(versions=True)"
+        self._join()
+        self.beside = True
+
     def discard_written(self) -> None:
-        """Forget this update's writes (versions only): every unit reads its committed files
-        again. Staged read-aheads hold committed data and stay."""
+        """Forget the writes made beside the committed files: every unit reads its committed
+        files again, and later writes replace them in place. Staged read-aheads hold committed
+        data and stay."""
         self._join()
         self.written.clear()
+        self.beside = False
 
     @staticmethod
     def rollback_bytes(numels: list[int]) -> PlanBytes:
@@ -215,7 +228,7 @@ class NvmeState:
             master.copy_(master_fp32[lo:hi])
             m.zero_()
             v.zero_()
-            self._write(si, u, committed=True)
+            self._write(si, u)
 
     # -- pipeline ---------------------------------------------------------------------------
     def _take_set(self, block: bool) -> int | None:
@@ -288,9 +301,9 @@ class NvmeState:
         self.free.append(si)
         self.queue.insert(1, victim)
 
-    def _write(self, si: int, u: int, committed: bool = False) -> None:
+    def _write(self, si: int, u: int) -> None:
         gen = None
-        if self.versions and not committed:  # beside the committed version, never over it
+        if self.beside:  # beside the committed version, never over it
             gen = 1 - self.gen[u]
             self.written.add(u)
         self.writing[si] = [self.store.write(self.name(u, kind, gen), view)
@@ -313,9 +326,10 @@ class NvmeState:
         of in front of them. Every other entry point joins the tail first (`_join`), so only
         one thread ever touches the pipeline's state at a time."""
         self._join()
-        for u in self.written:  # versions: what this step wrote is the committed state now
+        for u in self.written:  # versions: what this step wrote beside is committed now
             self.gen[u] = 1 - self.gen[u]
         self.written.clear()
+        self.beside = False
         self._tail = self._tail_thread.submit(self._finish_step, next_order, step)
 
     def _finish_step(self, next_order: list[int], step: int) -> None:

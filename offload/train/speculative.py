@@ -8,10 +8,11 @@ Before a block is stepped, its pre-step state is kept:
   host RAM / device  `PreStepCopies`: master, exp_avg and exp_avg_sq of the block copied into
                      buffers of the same size, allocated once (the plan counts them as
                      "rollback": 12 bytes per parameter on the state's tier);
-  NVMe               `CommittedFiles`: the step writes each unit's state beside its committed
-                     files (NvmeState versions), so the committed files stay until the update
-                     is accepted (end_step); a rollback re-reads them ("rollback" on nvme: 12
-                     bytes per parameter of disk).
+  NVMe               `CommittedFiles`: the update writes each unit's state beside its
+                     committed files (NvmeState versions, write_beside), so the committed files
+                     stay until the update is accepted (end_step); a rollback re-reads them
+                     ("rollback" on nvme: 12 bytes per parameter of disk), and the re-step
+                     writes in place, as the step after backward does.
 The landing keeps every gradient until step() (per-block landing, never the pool).
 
 Validation, at step(), with Updates.grad_scale() (the norm is taken as the gradients land):
@@ -55,6 +56,10 @@ class PreStepCopies:
         parts.account.add(self.state.tier, "rollback", nbytes)
         self.saved: list[int] = []  # units copied this update
 
+    def begin(self) -> None:
+        """A speculative update begins (main thread, before its backward)."""
+        self.saved = []
+
     def save(self, bi: int) -> None:
         """Before block bi's speculative step (step thread)."""
         for unit, _, _ in self.state.units_of(bi):
@@ -79,6 +84,9 @@ class CommittedFiles:
         assert state.versions, "the speculative step needs NvmeState(versions=True)"
         self.state = state
 
+    def begin(self) -> None:
+        self.state.write_beside()  # until end_step commits them, or a rollback drops them
+
     def save(self, bi: int) -> None:
         pass  # the step writes beside the committed files
 
@@ -102,6 +110,11 @@ class Speculative(Overlapped):
     def begin_scale(self) -> float:
         """What Updates.grad_scale gives when nothing clips or overflows: 1/loss_scale."""
         return 1.0 / self.updates.counters.loss_scale
+
+    def backward_begins(self, last_micro: bool) -> None:
+        super().backward_begins(last_micro)
+        if last_micro and self.jobs is not None:  # begun: no block lands before backward runs
+            self.pre_step.begin()
 
     def step_landed(self, u: Update, bi: int) -> None:
         self.pre_step.save(bi)  # before the step touches the block's state
