@@ -456,7 +456,7 @@ def _update_row(args, engine, loss_sum: float, dt: float, micro: int,
                 totals: dict[str, float]) -> dict[str, Any]:
     """The metrics row of the update just applied; its time split and bytes added to totals."""
     rep = engine.last_report
-    for k in TIME_KEYS:
+    for k in TIME_KEYS + ("rollback_s",):
         totals[k] = totals.get(k, 0.0) + (getattr(rep, k) or 0.0)
     for k, v in rep.bytes.items():
         totals["bytes_" + k] = totals.get("bytes_" + k, 0) + v
@@ -465,6 +465,7 @@ def _update_row(args, engine, loss_sum: float, dt: float, micro: int,
     return {"step": engine.global_step, "loss": loss_sum / accum,
             "lr": engine.lr, "tokens_per_s": args.batch_size * args.seq_len / dt, "step_s": dt,
             "applied": rep.applied, "loss_scale": rep.loss_scale, "grad_norm": rep.grad_norm,
+            **({"rolled_back": rep.rolled_back} if engine.path.name == "speculative" else {}),
             "time": {k: getattr(rep, k) for k in TIME_KEYS}}
 
 

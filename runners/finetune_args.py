@@ -24,7 +24,8 @@ DEFAULTS = dict(model="tiny", offload="cpu", dtype="auto", steps=100, batch_size
 # OffloadConfig's switches as this runner's flags, for the library's option-combination
 # messages (options with values read the same either way: offload='cpu' is --offload cpu)
 FLAGS = {"activation_checkpointing": "--activation-checkpointing",
-         "offload_activations": "--offload-activations", "delayed_update": "--delayed-update"}
+         "offload_activations": "--offload-activations", "delayed_update": "--delayed-update",
+         "speculative_step": "--speculative-step"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +113,11 @@ def _add_memory_args(ap: argparse.ArgumentParser) -> None:
                     "earlier; overlaps the step even with clipping (needs --offload cpu/nvme)")
     ap.add_argument("--delayed-update-warmup", type=int, default=0, help="updates applied "
                     "synchronously before --delayed-update starts (default 0)")
+    ap.add_argument("--speculative-step", action="store_true",
+                    help="overlap the CPU step with backward even with --grad-clip or fp16: each "
+                    "block steps as its gradients land, its pre-step state kept (12 bytes per "
+                    "parameter in RAM, or on disk with --offload nvme) and restored and stepped "
+                    "again when clipping triggers (skipped on an fp16 overflow); exact; one process")
 
 
 def _add_output_args(ap: argparse.ArgumentParser) -> None:
@@ -350,6 +356,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, world: int = 1
                 "activation_checkpointing": args.activation_checkpointing or None,
                 "offload_activations": args.offload_activations or None,
                 "delayed_update": args.delayed_update or None,
+                "speculative_step": args.speculative_step or None,
                 "delayed_update_warmup": args.delayed_update_warmup if args.delayed_update else None}
     for key, value in switches.items():
         if value is not None:

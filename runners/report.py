@@ -90,6 +90,7 @@ class Banner:
                          + (", at most" if cfg.zero_stage == 3 else "") + ")")
         path, why = cfg.step_path(self.world)
         lines.append("  CPU step  " + {"overlapped": "overlapped with backward: ",
+                                       "speculative": "overlapped with backward, speculative: ",
                                        "delayed": "one step delayed: ",
                                        "after": "after backward: "}[path] + why)
         if self.choice:
@@ -147,6 +148,11 @@ def summary_table(engine, totals: dict[str, float], wall_s: float, tokens: int,
     if hidden_step or hidden_upload:
         lines.append(f"    on the step thread, hidden behind forward/backward: CPU step "
                      f"{hidden_step:.2f} s, weight upload {hidden_upload:.2f} s")
+    path = getattr(engine, "path", None)
+    if getattr(path, "name", None) == "speculative":  # offload/train/speculative.py
+        lines.append(f"    speculative step: {path.rollbacks} of {path.speculated} updates begun in "
+                     f"backward rolled back ({100 * path.rollback_rate:.1f}%; clipped and stepped "
+                     f"again, or skipped), restoring them {t('rollback_s'):.2f} s")
     lines.append("  bytes per link       total       per update")
     updates = max(engine.global_step, 1)
     for link, label in (("d2h", "device->host (grads)"), ("h2d", "host->device (weights)"),

@@ -3,7 +3,8 @@ split (forward, backward, gradient offload wait, CPU step, IO wait, weight uploa
 stepped during backward (overlap) and bytes per link. Medians over --steps timed updates after
 one warm-up. Modes: offload none / cpu / nvme (clipping on: the step waits for every gradient),
 the same without clipping (the CPU step overlapped with backward), and weights streamed from
-host RAM / NVMe (ZeRO-Infinity) with and without the overlapped step, and the one-step
+host RAM / NVMe (ZeRO-Infinity) with and without the overlapped step, the speculative step
+with clipping (overlapped; an update that clips rolled back and stepped again), and the one-step
 delayed update with clipping (the whole step hidden behind the next forward and backward).
 
     python scripts/bench_train.py                       # ~100M Llama ("small"), fp32, CPU
@@ -70,6 +71,11 @@ MODES = {
     # every swap read verified against its CRC-32 (the default) vs not (issue 13's 5% budget)
     "nvme-unverified": dict(offload="nvme", grad_clip=1.0, verify_checksums=False),
     "nvme+overlap-unverified": dict(offload="nvme", grad_clip=0.0, verify_checksums=False),
+    # the speculative step (offload/train/speculative.py): clipping on as in "cpu" / "nvme",
+    # yet each block stepped as its gradients land; an update that clips is rolled back and
+    # stepped again (the "rolled back" line says how many did)
+    "cpu+speculative": dict(offload="cpu", grad_clip=1.0, speculative_step=True),
+    "nvme+speculative": dict(offload="nvme", grad_clip=1.0, speculative_step=True),
     "cpu+delayed": dict(offload="cpu", grad_clip=1.0, delayed_update=True),
     "nvme+delayed": dict(offload="nvme", grad_clip=1.0, delayed_update=True),
 }
@@ -218,7 +224,8 @@ def run_mode(mode: str, args, swap_root: str) -> dict | None:
     out = {"mode": mode, "step_s": statistics.median(step_s),
            "overlapped": reports[-1].overlapped_blocks,
            **{k: statistics.median(getattr(r, k) for r in reports) for k in SPLIT},
-           "bytes": reports[-1].bytes, "params": sum(b.numel for b in engine.blocks)}
+           "bytes": reports[-1].bytes, "params": sum(b.numel for b in engine.blocks),
+           "rolled_back": sum(r.rolled_back for r in reports)}
     engine.close()
     del engine, model
     gc.collect()
@@ -332,6 +339,12 @@ def _print_rows(all_rows: list[dict], args) -> None:
         got = [r["step_s"] for r in rows if r["mode"] == mode]
         return statistics.median(got) if got else None
 
+    for mode in ("cpu", "nvme"):  # both clipped: the speculative step against the step after
+        spec, after = median_step(mode + "+speculative"), median_step(mode)
+        if spec and after:
+            back = next(r["rolled_back"] for r in rows if r["mode"] == mode + "+speculative")
+            print(f"{mode}+speculative / {mode} (both clipped) step time {spec / after:.3f}; "
+                  f"{back} of {args.steps} timed updates rolled back")
     for mode in ("nvme", "nvme+overlap"):
         on, off = median_step(mode), median_step(mode + "-unverified")
         if on and off:

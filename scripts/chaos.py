@@ -156,28 +156,35 @@ def _child(argv: list[str]) -> int:
         return out
     offload.models.llama.DecoderLayer.forward = decoder_forward
 
-    kernel = offload.train.stepper.cpu_adamw_step
+    def kill_around(fn, point: str, before: str, after: str):
+        """`fn` with a kill at kill point `point`'s armed call: before it or after it (`when`)."""
+        def wrapper(*a, **k):
+            if when != "after" and hit(point):
+                die(before)
+            out = fn(*a, **k)
+            if when == "after" and hit(point):
+                die(after)
+            return out
+        return wrapper
 
-    def adamw(*a, **k):
-        if when != "after" and hit("cpu-step"):
-            die("the CPU AdamW step (before a block's kernel)")
-        out = kernel(*a, **k)
-        if when == "after" and hit("cpu-step"):
-            die("the CPU AdamW step (after a block's kernel, before its write-behind)")
-        return out
+    adamw = kill_around(offload.train.stepper.cpu_adamw_step, "cpu-step",
+                        "the CPU AdamW step (before a block's kernel)",
+                        "the CPU AdamW step (after a block's kernel, before its write-behind)")
     offload.train.stepper.cpu_adamw_step = adamw  # read when the engine builds its stepper
     offload.optim.adamw.cpu_adamw_step = adamw
 
-    finish_write = nvme.swap.SwapStore._finish_write
+    # a speculative step's rollback (runners.finetune --speculative-step): each touched
+    # block's weights rebuilt from its restored state (tests/test_speculative_step.py aims
+    # here; not among the random PHASES: only a run with --speculative-step reaches it)
+    offload.train.stepper.BlockStepper.rewrite_weights = kill_around(
+        offload.train.stepper.BlockStepper.rewrite_weights, "rollback",
+        "a speculative step's rollback (before rebuilding a block's weights)",
+        "a speculative step's rollback (after rebuilding a block's weights)")
 
-    def swap_finish(self, *a, **k):
-        if when != "after" and hit("swap-write"):
-            die("a swap write (data in the .tmp file, before header and rename)")
-        out = finish_write(self, *a, **k)
-        if when == "after" and hit("swap-write"):
-            die("a swap write (just after its rename)")
-        return out
-    nvme.swap.SwapStore._finish_write = swap_finish
+    nvme.swap.SwapStore._finish_write = kill_around(
+        nvme.swap.SwapStore._finish_write, "swap-write",
+        "a swap write (data in the .tmp file, before header and rename)",
+        "a swap write (just after its rename)")
 
     write_file = nvme.format.write_file
 
@@ -248,7 +255,8 @@ def checkpoint_step(output: str) -> int | None:
 
 # calls per update of each in-process kill point with the tiny preset (4 layers, 5 blocks, 3
 # swap files per block), per micro-batch for forward/backward
-RATES = {"forward": 4, "backward": 4, "cpu-step": 5, "swap-write": 15}
+RATES = {"forward": 4, "backward": 4, "cpu-step": 5, "swap-write": 15,
+         "rollback": 5}  # blocks stepped during backward (all 5), where every update rolls back
 
 
 def choose_kill(rng: random.Random, remaining: int, save_every: int, max_delay: float,

@@ -45,6 +45,7 @@ MAPPED = {
     ("offload_optimizer", "nvme_path"): ("/tmp/swap", "nvme_dir", "/tmp/swap"),
     ("offload_optimizer", "pin_memory"): (False, "pin_memory", False),
     ("offload_optimizer", "buffer_count"): (8, "buffer_count", 8),
+    ("offload_optimizer", "super_offload"): (True, "speculative_step", True),  # SuperOffload
     ("offload_param", "device"): ("none", "offload_params", "none"),  # the probe section says cpu
     ("offload_param", "nvme_path"): ("/tmp/swap", "nvme_dir", "/tmp/swap"),
     ("offload_param", "pin_memory"): (False, "pin_memory", False),

@@ -386,6 +386,8 @@ def test_what_it_cannot_serve_is_refused_in_one_line(tmp_path):
         (lambda: OffloadAdamW(Branchy().half()), ConfigError, "dtype='fp16' is not served"),
         (lambda: built(dtype="fp16"), ConfigError, "dtype='fp16' is not served"),
         (lambda: built(delayed_update=True), ConfigError, "delayed_update is not served"),
+        (lambda: built(speculative_step=True, grad_clip=1.0), ConfigError,
+         "speculative_step is not served"),
         (lambda: built(overlap_step=True), ConfigError, "leave overlap_step out"),
         (lambda: built(grad_accum_steps=4), ConfigError, "leave grad_accum_steps out"),
         (lambda: built(bogus=1), ConfigError, "unknown option(s) bogus"),

@@ -158,9 +158,10 @@ def _offload_device(section: Mapping[str, Any], name: str) -> str:
 
 def _offload_optimizer(zero: Mapping[str, Any], stage: int, out: dict[str, Any],
                        said: list[str]) -> list[Any]:
-    """zero_optimization.offload_optimizer -> offload, pin_memory, buffer_count; its nvme_path."""
+    """zero_optimization.offload_optimizer -> offload, pin_memory, buffer_count,
+    speculative_step (super_offload); its nvme_path."""
     opt_off = _take(zero.get("offload_optimizer", {}), {"device", "nvme_path", "pin_memory",
-                                                       "buffer_count", "ratio"}
+                                                       "buffer_count", "ratio", "super_offload"}
                     | set(DEEPSPEED_INERT["offload_optimizer"]), "zero_optimization.offload_optimizer")
     _inert("offload_optimizer", opt_off, said)
     if not opt_off:
@@ -179,6 +180,8 @@ def _offload_optimizer(zero: Mapping[str, Any], stage: int, out: dict[str, Any],
         out["pin_memory"] = opt_off["pin_memory"]
     if "buffer_count" in opt_off:
         out["buffer_count"] = _no_auto(opt_off["buffer_count"], "offload_optimizer.buffer_count")
+    if "super_offload" in opt_off:  # SuperOffload's speculation-then-validation step
+        out["speculative_step"] = _no_auto(opt_off["super_offload"], "offload_optimizer.super_offload")
     return paths
 
 

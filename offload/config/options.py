@@ -50,6 +50,12 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
                     "{delayed_update} needs the 16-bit weights resident on the device "
                     "({offload_params}='none'): streamed weights would be read while the delayed "
                     "step rewrites them"),
+    CombinationRule(lambda c: c.speculative_step and c.delayed_update,
+                    "{speculative_step} steps each block during backward of the same update; "
+                    "{delayed_update} steps it during the next one: choose one"),
+    CombinationRule(lambda c: c.speculative_step and not c.overlap_step,
+                    "{speculative_step} is the overlapped step with clipping or fp16: it needs "
+                    "{overlap_step} on (drop the one that turns it off)"),
 )
 
 
@@ -128,6 +134,12 @@ class OffloadConfig:
     # step each block on the CPU as soon as its gradients land, while backward continues —
     # only where the math allows (no clipping, no fp16 overflow check: both need every gradient)
     overlap_step: bool = True
+    # with clipping or fp16, overlap anyway: each block is stepped as its gradients land as if
+    # nothing clips or overflows, its pre-step state kept (host RAM, or the previous swap
+    # file) until the global norm is known; then the update is kept, or the touched blocks are
+    # restored and stepped again with the clip coefficient (or restored and skipped on an
+    # overflow). Exact either way (offload/train/speculative.py)
+    speculative_step: bool = False
     # ZeRO-Offload's one-step delayed parameter update: each update's CPU step runs while the
     # next micro-batches' forward and backward run on the weights from one update earlier
     # (those gradients are one step stale). Overlaps the whole step even with clipping or fp16;
@@ -226,10 +238,19 @@ class OffloadConfig:
                                f"earlier{warm}")
         if not self.overlap_step:
             return "after", "overlap_step=False"
-        if self.grad_clip > 0:
-            return "after", "gradient clipping needs the global norm of every gradient first"
-        if self.dtype == "fp16":
-            return "after", "the fp16 overflow check needs every gradient first"
+        needs = ("gradient clipping needs the global norm of every gradient" if self.grad_clip > 0
+                 else "the fp16 overflow check needs every gradient" if self.dtype == "fp16"
+                 else None)
+        if needs is not None and self.speculative_step:
+            if world > 1:
+                raise ConfigError(f"speculative_step runs in one process, not across {world} "
+                                  f"ranks (a rollback would have to agree across them); drop it "
+                                  f"(the step then runs after backward)")
+            return "speculative", (f"speculative_step: {needs}, so each block steps as its "
+                                   f"gradients land as if nothing clips or overflows, and is "
+                                   f"restored and stepped again (or skipped) when that was wrong")
+        if needs is not None:
+            return "after", f"{needs} first"
         if world > 1:
             return "overlapped", (f"no clipping and no overflow check: each rank steps its part "
                                   f"of a block as soon as the block's gradient is averaged over "
@@ -258,6 +279,7 @@ class OffloadConfig:
             return "double", 0
         if path == "after" and self.grad_accum_steps == 1 and device.type == "cpu":
             return "adopted", 0
+        # (the speculative step keeps every gradient until the norm is known: per_block)
         if path == "overlapped" and self.grad_accum_steps == 1 and self.offload != "none":
             pool = max(3, self.buffer_count)
             if pool < num_blocks:

@@ -53,7 +53,7 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 # where optimizer state (offload) or 16-bit weights (offload_params) live
 Placement = Literal["none", "cpu", "nvme"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
-StepPathName = Literal["after", "overlapped", "delayed"]  # how the step meets backward
+StepPathName = Literal["after", "overlapped", "speculative", "delayed"]  # how the step meets backward
 # offload/grads/storage.py; "sharded": ZeRO stage 2's (offload/zero/grads.py), "double_sharded"
 # its two sets of shards for the delayed update
 GradStorageName = Literal["per_block", "pooled", "double", "adopted", "sharded", "double_sharded"]

@@ -29,7 +29,8 @@ import torch
 from offload.config import format_bytes
 
 Tier = Literal["device", "host", "nvme"]
-Kind = Literal["weights", "frozen", "masters", "moments", "grads", "buffers", "activations", "kv_cache"]
+Kind = Literal["weights", "frozen", "masters", "moments", "grads", "buffers", "activations", "kv_cache",
+               "rollback"]
 TIERS: tuple[str, ...] = get_args(Tier)
 KINDS: tuple[str, ...] = get_args(Kind)
 

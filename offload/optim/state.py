@@ -137,7 +137,8 @@ class NvmeState:
     def __init__(self, blocks: list[Block], store, buffer_count: int, account: MemoryAccount,
                  read_link: LinkCounter, write_link: LinkCounter, prefetch: bool = True,
                  sub_group_params: int = 1 << 25, ranges: list[tuple[int, int]] | None = None,
-                 cuts: list[list[int]] | None = None, hold_cap_bytes: int = 0):
+                 cuts: list[list[int]] | None = None, hold_cap_bytes: int = 0,
+                 versions: bool = False):
         from nvme import aligned_empty  # page-aligned: O_DIRECT reads/writes go straight in
 
         self.blocks = blocks
@@ -165,6 +166,19 @@ class NvmeState:
         for lo, hi in self.ranges:
             account.add("nvme", "masters", (hi - lo) * 4)
             account.add("nvme", "moments", (hi - lo) * 8)
+            if versions:
+                account.add("nvme", "rollback", (hi - lo) * 12)
+        # `versions` (the speculative step, offload/train/speculative.py): each unit's files
+        # exist in two versions, `gen[u]` the committed one. From write_beside() on, writes go
+        # to the other version; end_step makes what was written committed, discard_written()
+        # forgets it -- the committed files were never touched, so rolling a unit back is
+        # reading it again. Other writes (outside a speculative update: initialisation, a
+        # lazy expert replay during forward, a load) replace the committed version in place.
+        self.versions = versions
+        self.gen = [0] * len(self.unit_names)
+        self.beside = False  # writes go beside the committed files (between write_beside and
+        # end_step / discard_written)
+        self.written: set[int] = set()  # units written beside this update
         self.free: deque[int] = deque(range(buffer_count))
         # with experts, read-ahead leaves one set unused: a unit acquired out of order (an
         # expert's place in the order is known only once routed) is read into it, instead of
@@ -199,8 +213,30 @@ class NvmeState:
     def units_of(self, bi: int) -> list[tuple[int, int, int]]:
         return self.block_units[bi]
 
-    def name(self, u: int, kind: str) -> str:
-        return f"{self.unit_names[u]}.{kind}"
+    def name(self, u: int, kind: str, gen: int | None = None) -> str:
+        """Unit u's swap name for `kind`: its committed version (default) or version `gen`."""
+        gen = self.gen[u] if gen is None else gen
+        return f"{self.unit_names[u]}.{kind}" + (".v1" if gen else "")
+
+    def write_beside(self) -> None:
+        """This update's writes go beside the committed files until end_step or
+        discard_written (versions only)."""
+        assert self.versions, "write_beside needs NvmeState(versions=True)"
+        self._join()
+        self.beside = True
+
+    def discard_written(self) -> None:
+        """Forget the writes made beside the committed files: every unit reads its committed
+        files again, and later writes replace them in place. Staged read-aheads hold committed
+        data and stay."""
+        self._join()
+        self.written.clear()
+        self.beside = False
+
+    @staticmethod
+    def rollback_bytes(numels: list[int]) -> PlanBytes:
+        """The second version of every unit's files (versions=True)."""
+        return {("nvme", "rollback"): sum(numels) * 12}
 
     def _views(self, si: int, u: int) -> tuple[torch.Tensor, ...]:
         n = self.unit_numel[u]
@@ -297,7 +333,11 @@ class NvmeState:
         self.queue.insert(1, victim)
 
     def _write(self, si: int, u: int) -> None:
-        self.writing[si] = [self.store.write(self.name(u, kind), view)
+        gen = None
+        if self.beside:  # beside the committed version, never over it
+            gen = 1 - self.gen[u]
+            self.written.add(u)
+        self.writing[si] = [self.store.write(self.name(u, kind, gen), view)
                             for kind, view in zip(STATE_KINDS, self._views(si, u))]
         self.write_link.add(self.unit_numel[u] * 12)
 
@@ -357,6 +397,10 @@ class NvmeState:
         of in front of them. Every other entry point joins the tail first (`_join`), so only
         one thread ever touches the pipeline's state at a time."""
         self._join()
+        for u in self.written:  # versions: what this step wrote beside is committed now
+            self.gen[u] = 1 - self.gen[u]
+        self.written.clear()
+        self.beside = False
         self._tail = self._tail_thread.submit(self._finish_step, next_order, step)
 
     def _finish_step(self, next_order: list[int], step: int) -> None:

@@ -102,7 +102,8 @@ def build(g: Grouping, plan: TrainingPlan, source: Any) -> Parts:
     account = MemoryAccount()
     links = {k: LinkCounter() for k in LINKS}
     store = make_store(cfg, g, plan)
-    state = make_state(cfg, g, store, account, links, plan.unit_cuts, plan.replay_hold_bytes)
+    state = make_state(cfg, g, store, account, links, plan.unit_cuts, plan.replay_hold_bytes,
+                       versions=plan.step_path == "speculative")
     smallest = min(b.numel for b in g.blocks) * cfg.torch_dtype.itemsize
     with large_frees_to_os(smallest):  # RSS must not grow with the number of blocks (tiers.py)
         placed = _Placement(g, plan, state, store, account).place(source)
@@ -141,15 +142,16 @@ def routed_weight_units(g: Grouping, plan: TrainingPlan) -> dict[int, list[tuple
 
 def make_state(cfg: OffloadConfig, g: Grouping, store, account: MemoryAccount,
                links: dict[str, LinkCounter], cuts: list[list[int]] | None = None,
-               hold_cap_bytes: int = 0) -> ResidentState | NvmeState:
-    """The masters and Adam moments of this rank's range of each block, in their tier."""
+               hold_cap_bytes: int = 0, versions: bool = False) -> ResidentState | NvmeState:
+    """The masters and Adam moments of this rank's range of each block, in their tier
+    (`versions`: NVMe keeps each unit's committed files beside a step's, the speculative step's)."""
     ranges = [g.owned(bi) for bi in range(len(g.blocks))]
     if cfg.offload == "nvme":
         return NvmeState(g.blocks, store, cfg.buffer_count, account,
                          links["nvme_read"], links["nvme_write"],
                          prefetch=cfg.prefetch_optimizer_state,
                          sub_group_params=cfg.sub_group_size, ranges=ranges,
-                         cuts=cuts, hold_cap_bytes=hold_cap_bytes)
+                         cuts=cuts, hold_cap_bytes=hold_cap_bytes, versions=versions)
     tier = "device" if cfg.offload == "none" else "host"
     # never pinned: the CPU kernel reads and writes masters and moments in place; they never
     # cross the link, and pinning them would spend the pinned-memory cap on them instead of

@@ -37,6 +37,7 @@ from offload.train.experts import (RoutedCalls, drop_stepped, expert_ranges, unt
 from offload.train.parts import Parts
 from offload.train.paths import AfterBackward, Overlapped
 from offload.train.replay import ExpertReplay
+from offload.train.speculative import Speculative
 from offload.train.stepper import BlockStepper, StepReport, Updates
 
 
@@ -110,6 +111,7 @@ class Engine:
                                         self.parts.streaming, self.replay)
         # how the step meets backward: a policy object (offload/train/paths.py), the plan's
         self.path: AfterBackward = {"after": AfterBackward, "overlapped": Overlapped,
+                                    "speculative": Speculative,
                                     "delayed": Delayed}[self.plan.step_path](
             self.parts, self.stepper, self.updates)
         self._fwd_t0: float | None = None
@@ -316,7 +318,7 @@ class Engine:
     @property
     def overlap(self) -> bool:
         """Blocks are stepped during backward (the overlapped step path)."""
-        return self.path.name == "overlapped"
+        return self.path.name in ("overlapped", "speculative")
 
     @property
     def delayed(self) -> Delayed | None:

@@ -12,6 +12,9 @@ Every path answers the same three calls from the engine, in this order per updat
                  backward goes on (same math: only when nothing global -- clipping, an fp16
                  overflow check -- is needed first); across ranks, as soon as its gradient is
                  averaged over them (the step thread waits for the reduction, not backward);
+  Speculative    (offload/train/speculative.py) the overlapped step with clipping or fp16: each
+                 block stepped as its gradients land as if nothing clips or overflows, its
+                 pre-step state kept; at step() kept, or restored and stepped again (or skipped);
   Delayed        (offload/train/delayed.py) the whole step of update t runs during the forward and
                  backward of update t+1, one step stale (ZeRO-Offload's DPU).
 
@@ -28,7 +31,7 @@ import time
 from concurrent.futures import Future
 from offload.train.errors import NonFiniteError
 from offload.train.parts import Parts
-from offload.train.stepper import BlockStepper, StepReport, Updates
+from offload.train.stepper import BlockStepper, StepReport, Update, Updates
 
 
 class AfterBackward:
@@ -99,7 +102,8 @@ class Overlapped(AfterBackward):
             return
         # the update's math needs nothing global (no clipping, no overflow check), so it is
         # fixed now and each block is stepped by the step thread as its final gradients land
-        self.updates.begin(1.0, known=False)  # which experts got no tokens: known at step()
+        # (the speculative path: assuming nothing clips or overflows, checked at step())
+        self.updates.begin(self.begin_scale(), known=False)  # experts without tokens: at step()
         self.poisoned = None
         self.job_rep = StepReport()
         self.jobs = []
@@ -109,12 +113,20 @@ class Overlapped(AfterBackward):
         else:  # across ranks a block is stepped once its gradient is averaged over them
             e.reductions.on_issued = self.block_reducing
 
+    def begin_scale(self) -> float:
+        """The gradient scale of an update begun in backward: nothing global scales it."""
+        return 1.0
+
     def block_done(self, bi: int) -> None:
         """Called when block bi's final gradients have landed (autograd thread on CPU, landing
         worker on CUDA): step it on the step thread while backward continues."""
         if self._finite(bi):
             self.jobs.append(self.parts.step_thread.submit(
-                self.stepper.step_block, self.updates.current, bi, self.job_rep))
+                self.step_landed, self.updates.current, bi))
+
+    def step_landed(self, u: Update, bi: int) -> None:
+        """On the step thread: block bi's step in `u`, the update begun in backward."""
+        self.stepper.step_block(u, bi, self.job_rep)
 
     def block_reducing(self, bi: int) -> None:
         """Across ranks: block bi's gradients all landed on this rank and their reduction was
@@ -125,7 +137,7 @@ class Overlapped(AfterBackward):
 
     def _step_reduced(self, bi: int) -> None:
         self.parts.reductions.complete_through(bi)
-        self.stepper.step_block(self.updates.current, bi, self.job_rep)
+        self.step_landed(self.updates.current, bi)
 
     def _finite(self, bi: int) -> bool:
         """Block bi's gradients (this rank's) are finite; else it is not stepped, nor any
@@ -151,12 +163,7 @@ class Overlapped(AfterBackward):
         if self.jobs is None:  # not begun in backward (a non-finite loss): the plain step
             return super().step(rep)
         e = self.parts
-        t0 = time.perf_counter()
-        for job in self.jobs:
-            job.result()  # re-raises a failure of the step thread
-        rep.overlap_wait_s = time.perf_counter() - t0
-        rep.overlapped_blocks = len(self.jobs)
-        self.jobs = None
+        self.join_jobs(rep)
         poisoned = self.poisoned is not None
         if e.zero is not None:  # any rank's inf/nan went into every rank's averaged gradients
             poisoned = e.zero.any_rank(poisoned)
@@ -170,6 +177,24 @@ class Overlapped(AfterBackward):
                 f"state is inconsistent: resume from the last checkpoint (untouched), and set "
                 f"grad_clip (--grad-clip) so every gradient is checked before any block is "
                 f"stepped")
+        self.finish_begun(rep)
+        self.updates.counters.on_applied(e.cfg)
+        return True
+
+    def join_jobs(self, rep: StepReport) -> None:
+        """Wait for the blocks stepped during backward (re-raising a failure of the step
+        thread); the wait and their count into `rep`."""
+        t0 = time.perf_counter()
+        jobs, self.jobs = self.jobs, None
+        for job in jobs:
+            job.result()
+        rep.overlap_wait_s = time.perf_counter() - t0
+        rep.overlapped_blocks = len(jobs)
+
+    def finish_begun(self, rep: StepReport) -> None:
+        """The update begun in backward, completed: its slots without a gradient now known,
+        the blocks not stepped yet stepped, the whole made durable and visible."""
+        e = self.parts
         update = self.updates.current
         update.missing = self.updates.take_missing()  # blocks not stepped yet may miss slots
         update.deferred = self.updates.take_deferred()  # ... or experts without tokens
@@ -177,6 +202,4 @@ class Overlapped(AfterBackward):
         rep.cpu_step_s, rep.upload_s = o.cpu_step_s, o.upload_s
         rep.hidden_cpu_step_s, rep.hidden_upload_s = o.cpu_step_s, o.upload_s
         self.stepper.finish(update, rep, e.step_order(), e.unit_order())
-        self.updates.counters.on_applied(e.cfg)
-        return True
 

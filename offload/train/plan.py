@@ -299,7 +299,16 @@ def _step_bytes(plan: TrainingPlan, sizes: list[int], padded: list[int], state_s
     parts.append(step_ring_bytes(plan.upload_ring, sizes, nvme_layers, itemsize, cfg.buffer_count, pin))
     if plan.step_path == "delayed":
         parts.append(shadow_weight_bytes(resident, itemsize))
+    if plan.step_path == "speculative":  # each touched block's pre-step state, until validated
+        parts.append(NvmeState.rollback_bytes(state_sizes) if cfg.offload == "nvme" else
+                     rollback_copy_bytes(state_sizes, "device" if cfg.offload == "none" else "host"))
     return parts
+
+
+def rollback_copy_bytes(numels: list[int], tier: str) -> PlanBytes:
+    """The speculative step's copies of the resident state (offload/train/speculative.py
+    PreStepCopies): master + exp_avg + exp_avg_sq of every block, on the state's tier."""
+    return {(tier, "rollback"): sum(numels) * 12}
 
 
 def step_ring_bytes(upload_ring: int, numels: list[int], nvme_layer_numels: list[int],

@@ -52,6 +52,10 @@ class StepReport:
     hidden_cpu_step_s: float = 0.0
     hidden_upload_s: float = 0.0
     overlapped_blocks: int = 0  # blocks stepped while backward was still running
+    # the speculative step (offload/train/speculative.py): those blocks were restored to their
+    # pre-step state, then stepped again with the clip coefficient (or the update skipped)
+    rolled_back: bool = False
+    rollback_s: float = 0.0  # restoring them: state copied back or re-read, weights rebuilt
     comm_wait_s: float = 0.0  # across ranks: waiting for gradient and weight collectives
     delayed: bool = False  # this update's CPU step runs during the next forward and backward
     applied: bool = True
@@ -346,23 +350,49 @@ class BlockStepper:
         for bi in order:
             if bi not in u.stepped:
                 self.step_block(u, bi, rep)
+        self.weights_written(rep)
+        e.state.end_step(unit_order, u.step)
+        if e.cuda and sync_compute:
+            self.weights_visible(rep)
+        rep.io_wait_s += e.state.io_wait_s - u.io0
+
+    def weights_written(self, rep: StepReport) -> None:
+        """Wait for this update's nvme-tier weight writes: the next forward reads the files."""
         t0 = time.perf_counter()
-        for h in self.weight_writes:  # nvme-tier weights: the next forward reads the files
+        for h in self.weight_writes:
             h.wait()
         self.weight_writes = []
         self.ring_writes = {}
         rep.io_wait_s += time.perf_counter() - t0 + self.pending_io_s
         self.pending_io_s = 0.0
-        e.state.end_step(unit_order, u.step)
-        if e.cuda and sync_compute:
-            t0 = time.perf_counter()
-            # the next forward runs on the compute stream; it must see the new weights
-            torch.cuda.current_stream(e.device).wait_stream(e.h2d_stream)
-            shards = getattr(e.streaming, "shards", None)
-            if shards is not None:  # stage 3: the next fetches copy out of the homes just written
-                shards.homes_written(e.device)
-            rep.upload_s += time.perf_counter() - t0
-        rep.io_wait_s += e.state.io_wait_s - u.io0
+
+    def weights_visible(self, rep: StepReport) -> None:
+        """CUDA: the next forward runs on the compute stream; it must see the new weights, so
+        the compute stream waits for the uploads queued on the H2D stream (GPU-side)."""
+        e = self.p
+        t0 = time.perf_counter()
+        torch.cuda.current_stream(e.device).wait_stream(e.h2d_stream)
+        shards = getattr(e.streaming, "shards", None)
+        if shards is not None:  # stage 3: the next fetches copy out of the homes just written
+            shards.homes_written(e.device)
+        rep.upload_s += time.perf_counter() - t0
+
+    def rewrite_weights(self, u: Update, bi: int, rep: StepReport) -> None:
+        """Block bi's 16-bit weights made again from its masters as they are now, on their
+        tier (a speculative step rolled back: offload/train/speculative.py). Weights that are
+        views of the masters need nothing."""
+        e = self.p
+        out16, where = self._target(u, bi)
+        if where[0] == "shared":
+            return
+        base = e.weight_base(bi)
+        for unit, lo, hi in e.state.units_of(bi):
+            master, _, _ = e.state.acquire(unit)
+            out16[lo - base:hi - base].copy_(master)
+            e.state.release(unit, modified=False)
+        t0 = time.perf_counter()
+        self._send(u, bi, out16, where)
+        rep.upload_s += time.perf_counter() - t0
 
     def _fill_unstepped(self, u: Update, bi: int, out16: torch.Tensor, where: tuple[str, int],
                         stepped: list[tuple[int, int, int]]) -> None:

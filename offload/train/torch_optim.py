@@ -35,7 +35,9 @@ optimizer existed.
 Not served (each refused in one line, docs/RELIABILITY.md T1-T23): fp16 (a GradScaler cannot
 unscale gradients that already left the device: use bf16 or fp32; `_step_supports_amp_scaling`
 makes torch's GradScaler hand step() its scale, which step() refuses), several ranks (use `offload.initialize` and
-`runners.finetune --zero-stage`), the overlapped and delayed steps, per-group betas or eps,
+`runners.finetune --zero-stage`), the overlapped, speculative and delayed steps (the caller's
+loop decides when a window ends and clips after its last backward: the step runs after it),
+per-group betas or eps,
 parameter groups added after construction.
 """
 
@@ -94,6 +96,11 @@ def torch_protocol_config(cfg: OffloadConfig, model: nn.Module, explicit: set[st
         raise ConfigError("delayed_update is not served through the torch.optim protocol (the "
                           "trainer expects step() to have applied the update); use "
                           "offload.initialize for the delayed update")
+    if cfg.speculative_step:
+        raise ConfigError("speculative_step is not served through the torch.optim protocol: the "
+                          "trainer's loop decides when a window ends (step()) and clips after "
+                          "it, so no block can be stepped while backward runs; use "
+                          "offload.initialize or runners.finetune --speculative-step")
     if cfg.overlap_step and "overlap_step" in explicit:
         raise ConfigError("overlap_step=True: through the torch.optim protocol the step runs "
                           "after backward (the trainer clips after backward and decides when a "
