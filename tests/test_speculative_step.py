@@ -200,10 +200,13 @@ def test_killed_during_a_rollback_resumes_exactly(tmp_path):
         assert all(json.loads(line)["rolled_back"] for line in f)
 
 
-@pytest.mark.parametrize("name,mode,untouched", [("qwen3_moe", "nvme", "step")])
-def test_mixture_of_experts_rolls_back_exactly(name, mode, untouched, tmp_path):
+@pytest.mark.parametrize("name,mode,untouched,hold", [("qwen3_moe", "nvme", "step", None),
+                                                       ("qwen3_moe", "nvme", "step", "64MiB")])
+def test_mixture_of_experts_rolls_back_exactly(name, mode, untouched, hold, tmp_path):
     """Experts without tokens: stepped with zeros later (lazy replay) or skipped -- units the
-    speculative step stepped in backward and the re-step does not: restored all the same."""
+    speculative step stepped in backward and the re-step does not: restored all the same.
+    `hold`: room for every replayed expert's state in RAM until the step (replay_hold_bytes),
+    so a rolled-back update's replayed experts exist only there, never in their files."""
     pytest.importorskip("transformers")
     from families import VOCAB, save_family_checkpoint
     from offload.models import load_model
@@ -216,7 +219,7 @@ def test_mixture_of_experts_rolls_back_exactly(name, mode, untouched, tmp_path):
         model = load_model(str(tmp_path / "ckpt"))
         set_untouched_experts(model, untouched)
         cfg = _cfg(mode, tmp_path / str(spec), grad_clip=0.5, speculative_step=spec,
-                   overlap_step=spec)
+                   overlap_step=spec, replay_hold_bytes=hold)
         engine = offload.initialize(model, cfg)
         try:
             losses = []
