@@ -13,7 +13,8 @@ from offload.config import COMBINATION_RULES, ConfigError, OffloadConfig, combin
 
 GRID = dict(offload=("none", "cpu", "nvme"), offload_params=("none", "cpu", "nvme"),
             nvme_dir=(None, "/tmp/x"), activation_checkpointing=(False, True),
-            offload_activations=(False, True), delayed_update=(False, True))
+            offload_activations=(False, True), delayed_update=(False, True),
+            speculative_step=(False, True), overlap_step=(True, False))
 
 
 def _grid():
@@ -58,6 +59,8 @@ def test_spelling_is_the_callers():
                                 "add --activation-checkpointing"),
     (["--delayed-update", "--offload", "none"], "--delayed-update overlaps the CPU optimizer step"),
     (["--delayed-update", "--offload-params", "cpu"], "--delayed-update needs the 16-bit weights"),
+    (["--speculative-step", "--delayed-update", "--offload", "cpu"],
+     "--speculative-step steps each block during backward of the same update"),
 ])
 def test_runner_uses_the_same_rules(tmp_path, capsys, argv, message):
     from runners.finetune import main
