@@ -135,7 +135,10 @@ def test_taken_only_where_it_computes_what_the_layer_computes(monkeypatch):
 
 def test_a_library_that_failed_its_check_is_never_used(monkeypatch):
     """The library is trusted by a child's check on this CPU (recorded in kernel_trust's
-    verdicts); where that check fails, no build is loaded and the layer runs its torch ops."""
+    verdicts); where that check fails, no build is loaded and the layer runs its torch ops.
+    Loaded afresh here: another test in this process may have made kernel_trust forget()
+    its verdicts after the library was loaded."""
+    monkeypatch.setattr(decode_step, "_state", {})
     assert decode_step.library() is not None
     assert "trusted" in kernel_trust.verdicts().get(decode_step.LIBRARY_PROBE, {}).values()
     monkeypatch.setattr(decode_step, "_state", {})
